@@ -1,0 +1,15 @@
+"""gradsolve: exact gradients for ensembles of ODEs by record and replay."""
+
+from . import methods as methods, problems as problems
+from .engines import Engine as Engine, engine_names as engine_names
+from .grad import value_and_grad as value_and_grad, ValueAndGrad as ValueAndGrad
+from .mesh import Mesh as Mesh
+from .problem import EnsembleProblem as EnsembleProblem, Shared as Shared
+from .record import record as record
+from .replay import replay as replay
+from .router import route as route
+from .solve import solve as solve, Solution as Solution
+from .status import Status as Status, TrajectoryFailure as TrajectoryFailure
+
+
+__version__ = "0.1.0"

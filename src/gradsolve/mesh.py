@@ -1,0 +1,73 @@
+"""The recorded mesh: each trajectory's accepted step sizes, zero-padded.
+
+The padding rule lives here and only here: a trajectory's steps fill the first
+`n_steps[i]` columns of `h`, every later column is an exact zero, and a zero step is
+the identity in the replay. `Mesh.padded` appends zero columns; nothing else pads.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .status import Status, summarize
+
+
+class Mesh(eqx.Module):
+    """Accepted step sizes of every trajectory of an ensemble, as recorded.
+
+    A pytree of arrays (with the method, tolerances and recorder as static metadata):
+    it can be saved, loaded and passed into `jax.jit`.
+
+    Attributes:
+        h: `(n, S)` accepted step sizes, zero-padded to the longest trajectory.
+        n_steps: `(n,)` accepted steps per trajectory.
+        n_rejected: `(n,)` rejected trial steps per trajectory (during the record).
+        status: `(n,)` `gs.Status` codes of the record.
+        t0, t1: the span's ends (scalars).
+        method, rtol, atol, recorder: how the mesh was made.
+
+    Examples:
+        >>> import gradsolve as gs
+        >>> prob = gs.problems.lorenz(n=4)
+        >>> mesh = gs.record(prob, rtol=1e-6, atol=1e-9)
+        >>> mesh.h.shape[0], mesh.recorder, bool((mesh.h.sum(axis=1) > 0.99).all())
+        (4, 'general', True)
+    """
+
+    h: jax.Array
+    n_steps: jax.Array
+    n_rejected: jax.Array
+    status: jax.Array
+    t0: jax.Array
+    t1: jax.Array
+    method: str = eqx.field(static=True)
+    rtol: float = eqx.field(static=True)
+    atol: float = eqx.field(static=True)
+    recorder: str = eqx.field(static=True)
+
+    @property
+    def n(self) -> int:
+        return self.h.shape[0]
+
+    @property
+    def columns(self) -> int:
+        """S, the padded length every trajectory is replayed to."""
+        return self.h.shape[1]
+
+    @property
+    def ok(self) -> bool:
+        return bool(np.all(np.asarray(self.status) == Status.SUCCESS))
+
+    def padded(self, columns: int) -> "Mesh":
+        """The same mesh with zero columns appended up to `columns` (>= S)."""
+        extra = columns - self.columns
+        if extra < 0:
+            raise ValueError(f"columns must be >= {self.columns}, got {columns}")
+        return eqx.tree_at(lambda m: m.h, self, jnp.pad(self.h, ((0, 0), (0, extra))))
+
+    def summary(self) -> str:
+        n_steps = np.asarray(self.n_steps)
+        return (f"Mesh({self.method}, recorder={self.recorder}, n={self.n}, "
+                f"S={self.columns}, steps {n_steps.min()}..{n_steps.max()}, "
+                f"{summarize(self.status)})")

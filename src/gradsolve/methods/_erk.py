@@ -1,0 +1,75 @@
+"""The two ingredients an explicit Runge--Kutta pair supplies: a trial step with an
+embedded error estimate (for the recorder) and a plain step (for the replay).
+
+Both act on ONE trajectory (`y` of shape `(d,)`); the recorder and the replay `vmap`
+them over the ensemble. Coefficients are cast to the state's dtype at trace time, so
+the same tableau serves float32 and float64.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax.numpy as jnp
+
+from ._tableau import ButcherTableau
+
+
+def _combine(h, weights, fs):
+    """`h * sum_j w_j f_j` over the nonzero weights."""
+    w = jnp.asarray(weights, fs[0].dtype)
+    return h * sum(w[j] * fs[j] for j in range(len(fs)) if weights[j] != 0)
+
+
+def _stages(tab: ButcherTableau, f, t, y, h, args, f0, n_stages):
+    """Stage slopes `f_i = f(t + c_i h, y + h sum_j a_ij f_j)` for the first
+    `n_stages` stages, starting from the given first slope `f0 = f(t, y)`."""
+    fs = [f0]
+    for i in range(1, n_stages):
+        y_i = y + _combine(h, tab.a_lower[i - 1], fs)
+        fs.append(f(t + jnp.asarray(tab.c[i - 1], y.dtype) * h, y_i, args))
+    return fs
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExplicitRungeKutta:
+    """An explicit embedded Runge--Kutta method built from a `ButcherTableau`."""
+
+    tableau: ButcherTableau
+    implicit: bool = dataclasses.field(default=False, init=False)
+
+    @property
+    def name(self) -> str:
+        return self.tableau.name
+
+    @property
+    def error_order(self) -> int:
+        return self.tableau.error_order
+
+    def trial_step(self, f: Callable, t, y, f0, h, args):
+        """One attempted step of size `h` from `(t, y)`.
+
+        Args:
+            f: right-hand side `f(t, y, args)` of one trajectory.
+            f0: `f(t, y, args)`, carried from the previous accepted step (FSAL).
+
+        Returns:
+            `(y_new, y_error, f_new)`: the propagated state, the embedded error
+            estimate, and `f(t + h, y_new)` for the next step's first stage.
+        """
+        tab = self.tableau
+        fs = _stages(tab, f, t, y, h, args, f0, tab.stages)
+        y_new = y + _combine(h, tab.b, fs)
+        # FSAL: the last stage was evaluated at (t + h, y_new) already.
+        f_new = fs[-1] if tab.fsal else f(t + h, y_new, args)
+        return y_new, _combine(h, tab.b_error, fs), f_new
+
+    def plain_step(self, f: Callable, t, y, h, args):
+        """One step of size `h` with no error estimate: what the replay differentiates.
+
+        A zero step returns `y` exactly (the increment is `0 * sum(...)`).
+        """
+        tab = self.tableau
+        # With FSAL the last stage only feeds the error estimate: skip it.
+        n = tab.stages - 1 if tab.fsal else tab.stages
+        fs = _stages(tab, f, t, y, h, args, f(t, y, args), n)
+        return y + _combine(h, tab.b[:n], fs)

@@ -1,0 +1,76 @@
+"""Explicit Runge--Kutta tableaux as data.
+
+A tableau is plain NumPy in a frozen dataclass, checked when it is built. The JAX
+steps in `_erk.py` (and, later, generated Warp kernels) read the same object, so each
+method's coefficients exist exactly once.
+"""
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ButcherTableau:
+    """Coefficients of an explicit Runge--Kutta pair.
+
+    Args:
+        name: the method's name, as users pass it (`method="tsit5"`).
+        order: order of the propagated solution.
+        c: stage times of stages 2..s, shape `(s-1,)`.
+        a_lower: rows 2..s of the strictly lower-triangular matrix; row `i` has `i+1`
+            entries.
+        b: weights of the propagated solution, shape `(s,)`.
+        b_error: `b - b_hat`, the weights of the embedded error estimate, shape `(s,)`.
+
+    `fsal` (first stage of the next step equals the last stage of this one) is derived,
+    not declared: it holds when the last stage is evaluated at `t + h` on `y_new`.
+
+    Examples:
+        >>> from gradsolve.methods import tsit5
+        >>> tsit5.tableau.stages, tsit5.tableau.fsal
+        (7, True)
+    """
+
+    name: str
+    order: int
+    c: np.ndarray
+    a_lower: tuple[np.ndarray, ...]
+    b: np.ndarray
+    b_error: np.ndarray
+    fsal: bool = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        c = np.asarray(self.c, dtype=np.float64)
+        a_lower = tuple(np.asarray(row, dtype=np.float64) for row in self.a_lower)
+        b = np.asarray(self.b, dtype=np.float64)
+        b_error = np.asarray(self.b_error, dtype=np.float64)
+        s = b.shape[0]
+        if c.shape != (s - 1,) or len(a_lower) != s - 1 or b_error.shape != (s,):
+            raise ValueError(f"{self.name}: inconsistent tableau shapes for {s} stages")
+        for i, row in enumerate(a_lower):
+            if row.shape != (i + 1,):
+                raise ValueError(f"{self.name}: a_lower[{i}] must have {i + 1} entries")
+            # Row sums equal c: the stages are consistent in time (tolerance: the
+            # published coefficients carry ~16 significant digits).
+            if abs(row.sum() - c[i]) > 1e-13:
+                raise ValueError(f"{self.name}: row {i + 2} of a does not sum to c")
+        if abs(b.sum() - 1) > 1e-13:
+            raise ValueError(f"{self.name}: the weights b do not sum to one")
+        if abs(b_error.sum()) > 1e-13:
+            raise ValueError(f"{self.name}: the error weights do not sum to zero")
+        fsal = bool(c[-1] == 1.0 and np.array_equal(a_lower[-1], b[:-1]) and b[-1] == 0)
+        for name, value in (("c", c), ("a_lower", a_lower), ("b", b),
+                            ("b_error", b_error), ("fsal", fsal)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def stages(self) -> int:
+        return self.b.shape[0]
+
+    @property
+    def error_order(self) -> int:
+        """The controller's exponent is `-1 / error_order`. For a p(p-1) pair the
+        estimate `y - y_hat` is locally O(h^p) (the embedded solution's local error),
+        so this is `order` -- Diffrax's convention, which the recorder matches."""
+        return self.order

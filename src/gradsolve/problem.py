@@ -1,0 +1,214 @@
+"""Ensemble problems: the six-member protocol, `Shared` parameters and validation.
+
+Every public entry point passes its problem through `as_problem`, which checks the
+input and names the offending field before anything is traced or compiled.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Shared(eqx.Module):
+    """Marks a parameter subtree common to every trajectory (an Equinox MLP, say).
+
+    Leaves inside `Shared` carry no ensemble axis. The right-hand side receives the
+    wrapped value itself (not the wrapper), and its gradient sums over trajectories.
+
+    Examples:
+        >>> import jax.numpy as jnp, gradsolve as gs
+        >>> p = {"rate": jnp.ones(4), "scale": gs.Shared(jnp.array(2.0))}
+        >>> f = lambda t, y, p: -p["rate"] * p["scale"] * y
+        >>> prob = gs.EnsembleProblem(f_jax=f, y0=jnp.ones((4, 1)), params=p,
+        ...                           t_span=(0.0, 1.0))
+        >>> prob.n, prob.d
+        (4, 1)
+    """
+
+    value: Any
+
+
+def _is_shared(x) -> bool:
+    return isinstance(x, Shared)
+
+
+def unwrap_shared(params):
+    """`params` with each `Shared(x)` replaced by `x` (what `f_jax` receives)."""
+    return jax.tree.map(lambda x: x.value if _is_shared(x) else x, params,
+                        is_leaf=_is_shared)
+
+
+def param_axes(params):
+    """`vmap` axes for `params`: 0 for per-trajectory leaves, None inside `Shared`."""
+    def axis(x):
+        if _is_shared(x):
+            return None
+        return 0 if eqx.is_array(x) else None
+    return jax.tree.map(axis, params, is_leaf=_is_shared)
+
+
+def trajectory_params(params, i):
+    """The parameters of trajectory `i` (shared subtrees as they are)."""
+    def take(x):
+        if _is_shared(x) or not eqx.is_array(x):
+            return x
+        return x[i]
+    return jax.tree.map(take, params, is_leaf=_is_shared)
+
+
+class EnsembleProblem(eqx.Module):
+    """n independent trajectories of one ODE, each with its own state and parameters.
+
+    Args:
+        f_jax: right-hand side of ONE trajectory, `f_jax(t, y, params) -> dy/dt` with
+            `y` of shape `(d,)`.
+        y0: initial states, shape `(n, d)`, floating point, finite.
+        params: a pytree whose array leaves lead with `n`, except subtrees wrapped in
+            `gs.Shared(...)`, common to all trajectories. `None` for no parameters.
+        t_span: `(t0, t1)` with `t1 > t0`, shared by all trajectories.
+        stiff: whether the problem is stiff (selects a stiff method).
+        name: a name for results, checkpoints and the router's reports.
+        fused: ask for the fused (Warp) form of this right-hand side.
+
+    Examples:
+        >>> import jax.numpy as jnp, gradsolve as gs
+        >>> prob = gs.EnsembleProblem(
+        ...     f_jax=lambda t, y, k: -k * y, y0=jnp.ones((3, 2)),
+        ...     params=jnp.array([0.5, 1.0, 2.0]), t_span=(0.0, 1.0), name="decay")
+        >>> prob.n, prob.d, prob.name
+        (3, 2, 'decay')
+    """
+
+    f_jax: Callable = eqx.field(static=True)
+    y0: jax.Array = eqx.field(converter=lambda x: _as_array(x, "y0"))
+    params: Any
+    t_span: tuple[float, float] = eqx.field(static=True)
+    stiff: bool = eqx.field(static=True, default=False)
+    name: str = eqx.field(static=True, default="problem")
+    fused: bool = eqx.field(static=True, default=False)
+
+    def __check_init__(self):
+        _validate(self)
+
+    @property
+    def n(self) -> int:
+        return self.y0.shape[0]
+
+    @property
+    def d(self) -> int:
+        return self.y0.shape[1]
+
+    def f_one(self, t, y, params):
+        """`f_jax` with `Shared` wrappers removed: the right-hand side the steps call."""
+        return self.f_jax(t, y, unwrap_shared(params))
+
+    def replace(self, **changes) -> "EnsembleProblem":
+        """A copy with some members changed (validated again)."""
+        fields = dict(f_jax=self.f_jax, y0=self.y0, params=self.params,
+                      t_span=self.t_span, stiff=self.stiff, name=self.name,
+                      fused=self.fused)
+        fields.update(changes)
+        return EnsembleProblem(**fields)
+
+
+def _as_array(x, where):
+    if eqx.is_array(x):
+        return jnp.asarray(x)
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{where} must be an array, got {type(x).__name__}") from e
+
+
+_MEMBERS = ("name", "f_jax", "y0", "params", "t_span", "stiff")
+
+
+def as_problem(prob) -> EnsembleProblem:
+    """Validate any object with the six problem members and return an
+    `EnsembleProblem`; raises `TypeError`/`ValueError` naming the bad field."""
+    if isinstance(prob, EnsembleProblem):
+        return prob
+    missing = [m for m in _MEMBERS if not hasattr(prob, m)]
+    if missing:
+        raise TypeError(
+            f"a problem needs the members {_MEMBERS}; {type(prob).__name__} lacks "
+            f"{missing}")
+    return EnsembleProblem(
+        f_jax=prob.f_jax, y0=prob.y0, params=prob.params, t_span=prob.t_span,
+        stiff=prob.stiff, name=prob.name, fused=getattr(prob, "fused", False))
+
+
+def _validate(prob: EnsembleProblem):
+    if not isinstance(prob.name, str):
+        raise TypeError(f"name must be a str, got {type(prob.name).__name__}")
+    if not callable(prob.f_jax):
+        raise TypeError(
+            f"f_jax must be callable as f_jax(t, y, params), got "
+            f"{type(prob.f_jax).__name__}")
+    if not isinstance(prob.stiff, (bool, np.bool_)):
+        raise TypeError(f"stiff must be a bool, got {prob.stiff!r}")
+    y0 = prob.y0
+    if not eqx.is_array(y0):
+        raise TypeError(f"y0 must be an array of shape (n, d), got {type(y0).__name__}")
+    if y0.ndim != 2 or 0 in y0.shape:
+        raise ValueError(f"y0 must have shape (n, d) with n, d >= 1, got {y0.shape}")
+    if not jnp.issubdtype(y0.dtype, jnp.floating):
+        raise TypeError(f"y0 must be floating point, got dtype {y0.dtype}")
+    bad = ~np.isfinite(np.asarray(y0)).all(axis=1)
+    if bad.any():
+        raise ValueError(
+            f"y0 holds non-finite values (NaN or inf) in trajectories "
+            f"{np.flatnonzero(bad)[:10].tolist()}")
+    t_span = prob.t_span
+    try:
+        t0, t1 = (float(t) for t in t_span)
+    except (TypeError, ValueError):
+        raise TypeError(f"t_span must be a pair of real numbers (t0, t1), got {t_span!r}")
+    if not (np.isfinite(t0) and np.isfinite(t1)):
+        raise ValueError(f"t_span must be finite, got {t_span!r}")
+    if not t1 > t0:
+        raise ValueError(f"t_span must have t1 > t0, got t0={t0}, t1={t1}")
+    n = y0.shape[0]
+    leaves = jax.tree_util.tree_leaves_with_path(prob.params, is_leaf=_is_shared)
+    for path, leaf in leaves:
+        where = "params" + jax.tree_util.keystr(path)
+        if _is_shared(leaf):
+            _check_finite(leaf.value, where)
+            continue
+        if not eqx.is_array(leaf):
+            raise TypeError(
+                f"{where} must be an array leading with n={n} (wrap values common to "
+                f"all trajectories in gs.Shared), got {type(leaf).__name__}")
+        if leaf.ndim == 0 or leaf.shape[0] != n:
+            raise ValueError(
+                f"{where} has shape {leaf.shape}; per-trajectory parameters lead with "
+                f"n={n} (wrap values common to all trajectories in gs.Shared)")
+        _check_finite(leaf, where)
+    _check_field_shape(prob)
+
+
+def _check_finite(tree, where):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if eqx.is_inexact_array(leaf) and not np.isfinite(np.asarray(leaf)).all():
+            raise ValueError(f"{where}{jax.tree_util.keystr(path)} holds non-finite values")
+
+
+def _check_field_shape(prob: EnsembleProblem):
+    """Trace `f_jax` once on trajectory 0 (abstractly: nothing runs or compiles)."""
+    y = jax.ShapeDtypeStruct(prob.y0.shape[1:], prob.y0.dtype)
+    t = jax.ShapeDtypeStruct((), prob.y0.dtype)
+    p = trajectory_params(prob.params, 0)
+    try:
+        out = jax.eval_shape(prob.f_one, t, y, p)
+    except Exception as e:
+        raise TypeError(
+            f"f_jax(t, y, params) failed on one trajectory (t scalar, y of shape "
+            f"{y.shape}): {type(e).__name__}: {e}") from e
+    if not hasattr(out, "shape") or out.shape != y.shape:
+        raise ValueError(
+            f"f_jax must return dy/dt of shape {y.shape} for one trajectory, got "
+            f"{getattr(out, 'shape', type(out).__name__)}")

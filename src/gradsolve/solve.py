@@ -1,0 +1,108 @@
+"""`gs.solve`: forward solves of an ensemble, through the router."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import methods
+from .engines import Config, Request
+from .problem import EnsembleProblem, as_problem
+from .record import DEFAULT_MAX_STEPS, check_dt0, check_tolerances
+from .replay import check_ts
+from .router import default_method, route
+from .status import Status, TrajectoryFailure, summarize
+
+
+class Solution(eqx.Module):
+    """The result of `gs.solve`.
+
+    Attributes:
+        ys: final states `(n, d)`, or `(n, len(ts), d)` with `ts`.
+        status: `(n,)` `gs.Status` codes; failures are reported here, not raised.
+        n_accepted, n_rejected: `(n,)` step counts.
+        engine: the engine that ran; method: the integration method.
+        passed_over: `(engine, reason)` pairs the router did not choose.
+    """
+
+    ys: jax.Array
+    status: jax.Array
+    n_accepted: jax.Array
+    n_rejected: jax.Array
+    engine: str = eqx.field(static=True)
+    method: str = eqx.field(static=True)
+    passed_over: tuple = eqx.field(static=True, default=())
+
+    @property
+    def stats(self) -> dict:
+        return {"n_accepted": self.n_accepted, "n_rejected": self.n_rejected}
+
+    @property
+    def ok(self) -> bool:
+        return bool(np.all(np.asarray(self.status) == Status.SUCCESS))
+
+    def raise_for_status(self) -> "Solution":
+        """Raise `gs.TrajectoryFailure` if any trajectory failed; else return self."""
+        if not self.ok:
+            raise TrajectoryFailure(summarize(self.status))
+        return self
+
+
+def cast_problem(prob: EnsembleProblem, dtype) -> EnsembleProblem:
+    """The problem with its state and floating parameters cast to `dtype`."""
+    if dtype is None:
+        return prob
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+    cast = lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x
+    return prob.replace(y0=prob.y0.astype(dtype), params=jax.tree.map(cast, prob.params))
+
+
+def make_config(prob, *, rtol, atol, method, dt0, max_steps, ts, remat=None):
+    """Validate the solver settings shared by solve, record and value_and_grad."""
+    rtol, atol = check_tolerances(rtol, atol)
+    method = default_method(prob) if method is None else method
+    methods.get(method)
+    max_steps = int(max_steps)
+    if max_steps < 1:
+        raise ValueError(f"max_steps must be a positive integer, got {max_steps}")
+    return Config(rtol=rtol, atol=atol, method=method, dt0=check_dt0(dt0, prob.n),
+                  max_steps=max_steps, ts=check_ts(ts, prob.t_span), remat=remat)
+
+
+def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtype=None,
+          max_steps=DEFAULT_MAX_STEPS, dt0=None) -> Solution:
+    """Solve every trajectory of an ensemble (forward only).
+
+    Args:
+        prob: an ensemble problem (`gs.EnsembleProblem` or any object with its six
+            members).
+        rtol, atol: tolerances.
+        method: `"tsit5"` (default for non-stiff problems), ...
+        engine: None to let the router choose, or an engine name.
+        ts: optional output times (1-D, inside `t_span`).
+        dtype: cast the problem to this floating dtype first.
+        max_steps: cap on attempted steps per trajectory.
+        dt0: first step (default: Hairer & Wanner's rule per trajectory).
+
+    Returns:
+        A `gs.Solution`; `.engine` names the engine that ran.
+
+    Examples:
+        >>> import gradsolve as gs
+        >>> sol = gs.solve(gs.problems.lorenz(n=4), rtol=1e-8, atol=1e-10)
+        >>> sol.ys.shape, sol.engine, sol.ok
+        ((4, 3), 'diffrax', True)
+        >>> gs.solve(gs.problems.lorenz(n=4), engine="general").engine
+        'general'
+    """
+    prob = cast_problem(as_problem(prob), dtype)
+    cfg = make_config(prob, rtol=rtol, atol=atol, method=method, dt0=dt0,
+                      max_steps=max_steps, ts=ts)
+    request = Request(gradient=False, stiff=prob.stiff, d=prob.d, method=cfg.method,
+                      fused=prob.fused)
+    eng, passed = route(request, engine)
+    ys, status, n_acc, n_rej = eng.solve(prob, cfg)
+    return Solution(ys=ys, status=status, n_accepted=n_acc, n_rejected=n_rej,
+                    engine=eng.name, method=cfg.method, passed_over=tuple(passed.items()))
