@@ -1,6 +1,6 @@
 """gradsolve: exact gradients for ensembles of ODEs by record and replay."""
 
-from . import methods as methods, problems as problems
+from . import engines as engines, methods as methods, problems as problems
 from .engines import Engine as Engine, engine_names as engine_names
 from .grad import value_and_grad as value_and_grad, ValueAndGrad as ValueAndGrad
 from .mesh import Mesh as Mesh

@@ -84,7 +84,11 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None):
 def _replay(f_jax, method, mesh, params, y0, ts, remat):
     f = field(f_jax)
     axes = param_axes(params)
-    step = jax.vmap(functools.partial(method.plain_step, f), in_axes=(0, 0, 0, axes))
+    # The carry is laid out (d, n): each component of the ensemble is one contiguous
+    # row, which the CPU backend fuses better than the strided columns of (n, d)
+    # (measured ~15% on the Lorenz gradient).
+    step = jax.vmap(functools.partial(method.plain_step, f), in_axes=(0, 1, 0, axes),
+                    out_axes=1)
     if remat:
         step = jax.checkpoint(step)
     h = jax.lax.stop_gradient(mesh.h).astype(y0.dtype)
@@ -95,22 +99,22 @@ def _replay(f_jax, method, mesh, params, y0, ts, remat):
         y_next = step(t, y, h_k, params)
         # A zero step already returns y bit for bit; the select also keeps a padded
         # column from propagating a non-finite slope of a frozen trajectory.
-        y_next = jnp.where((h_k > 0)[:, None], y_next, y)
+        y_next = jnp.where(h_k > 0, y_next, y)
         return (t + h_k, y_next), ((t, y) if ts is not None else None)
 
-    (t_end, y_end), history = jax.lax.scan(column, (t, y0), h.T)
+    (t_end, y_end), history = jax.lax.scan(column, (t, y0.T), h.T)
     if ts is None:
-        return y_end
-    # States at every mesh point, (S + 1, n, d), then one extra step to each ts.
+        return y_end.T
+    # States at every mesh point, (S + 1, d, n), then one extra step to each ts.
     t_all = jnp.concatenate([history[0], t_end[None]], axis=0)
     y_all = jnp.concatenate([history[1], y_end[None]], axis=0)
     ts = jnp.asarray(ts, y0.dtype)
     t_grid = jax.lax.stop_gradient(t_all).T                           # (n, S + 1)
     k = jax.vmap(lambda tg: jnp.searchsorted(tg, ts, side="right") - 1)(t_grid)
-    k = jnp.clip(jnp.minimum(k, mesh.n_steps[:, None]), 0, None)      # (n, J)
-    rows = jnp.arange(h.shape[0])[:, None]
-    y_base = y_all[k, rows]                                           # (n, J, d)
-    t_base = t_grid[rows, k]                                          # (n, J)
-    dt = ts[None, :] - t_base
-    extra = jax.vmap(step, in_axes=(1, 1, 1, None), out_axes=1)
-    return extra(t_base, y_base, dt, params)
+    k = jnp.clip(jnp.minimum(k, mesh.n_steps[:, None]), 0, None).T    # (J, n)
+    cols = jnp.arange(h.shape[0])[None, :]
+    y_base = jnp.moveaxis(y_all[k, :, cols], -1, 1)                   # (J, d, n)
+    t_base = t_grid.T[k, cols]                                        # (J, n)
+    extra = jax.vmap(step, in_axes=(0, 0, 0, None))
+    ys = extra(t_base, y_base, ts[:, None] - t_base, params)          # (J, d, n)
+    return jnp.transpose(ys, (2, 0, 1))
