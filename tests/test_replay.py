@@ -1,0 +1,68 @@
+"""The padded replay: equal to the recorder, padding-invariant, ts outputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gradsolve as gs
+from gradsolve.record import run_record
+from helpers import rel_err
+
+
+@pytest.fixture(scope="module")
+def lorenz():
+    prob = gs.problems.lorenz(n=6)
+    mesh, y_end = run_record(prob, rtol=1e-8, atol=1e-10, method="tsit5")
+    return prob, mesh, y_end
+
+
+def test_replay_equals_recorder(lorenz):
+    # The replay takes the recorder's accepted steps with the same stage arithmetic:
+    # equal to roundoff (1e-12 relative leaves room for reassociation by XLA).
+    prob, mesh, y_end = lorenz
+    assert rel_err(gs.replay(prob, mesh), y_end) < 1e-12
+
+
+def test_zero_padding_changes_nothing_bit_for_bit(lorenz):
+    prob, mesh, _ = lorenz
+    wide = mesh.padded(mesh.columns + 13)
+    ts = jnp.array([0.0, 0.3, 0.77, 1.0])
+    for kw in ({}, {"ts": ts}):
+        np.testing.assert_array_equal(gs.replay(prob, mesh, **kw), gs.replay(prob, wide, **kw))
+    loss = lambda ys, p: jnp.sum(ys[..., 0] ** 2)
+    _, g = gs.value_and_grad(prob, loss, mesh=mesh)()
+    _, g_wide = gs.value_and_grad(prob, loss, mesh=wide)()
+    jax.tree.map(np.testing.assert_array_equal, g, g_wide)
+
+
+def test_ts_outputs_match_a_tight_reference(lorenz):
+    # Each output is one extra Tsit5 step from the preceding mesh point; its local
+    # error is below the record's tolerance, so the outputs agree with a 1e-13
+    # reference to the mesh's own accuracy (rtol 1e-8: 1e-6 relative is generous
+    # for Lorenz's error growth over t in [0, 1]).
+    prob, mesh, _ = lorenz
+    ts = jnp.array([0.0, 0.05, 0.3, 0.3, 0.61, 0.999, 1.0])
+    ys = gs.replay(prob, mesh, ts=ts)
+    ref = gs.solve(prob, rtol=1e-13, atol=1e-15, ts=ts, engine="diffrax").ys
+    assert ys.shape == (prob.n, len(ts), prob.d)
+    assert rel_err(ys, ref) < 1e-6
+    np.testing.assert_array_equal(ys[:, 0], prob.y0)
+    assert rel_err(ys[:, -1], gs.replay(prob, mesh)) < 1e-14
+
+
+def test_ts_outputs_are_integrated_not_interpolated():
+    # On the linear system the closed form is exact: an extra step of size < h has a
+    # smaller local error than the mesh steps, so the error stays at the mesh's level.
+    prob = gs.problems.linear(n=4, d=5)
+    mesh = gs.record(prob, rtol=1e-9, atol=1e-12)
+    ts = np.linspace(0.0, 1.0, 9)
+    ys = np.asarray(gs.replay(prob, mesh, ts=ts))
+    exact = np.stack([gs.problems.linear_exact(prob, t) for t in ts], axis=1)
+    assert rel_err(ys, exact) < 1e-8
+
+
+def test_replay_at_other_params_moves_the_solution(lorenz):
+    prob, mesh, _ = lorenz
+    p = dict(prob.params, rho=prob.params["rho"] + 1.0)
+    assert rel_err(gs.replay(prob, mesh, params=p), gs.replay(prob, mesh)) > 1e-3
