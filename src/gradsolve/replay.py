@@ -92,7 +92,7 @@ def _replay(f_jax, method, mesh, params, y0, ts, remat):
     if remat:
         step = jax.checkpoint(step)
     h = jax.lax.stop_gradient(mesh.h).astype(y0.dtype)
-    t = jnp.broadcast_to(jax.lax.stop_gradient(mesh.t0).astype(y0.dtype), h.shape[:1])
+    t = jax.lax.stop_gradient(mesh.t0).astype(y0.dtype) + jnp.zeros_like(h[:, 0])
 
     def column(carry, h_k):
         t, y = carry
