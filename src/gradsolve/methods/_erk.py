@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 
+from ._base import Method
 from ._tableau import ButcherTableau
 
 
@@ -31,19 +32,10 @@ def _stages(tab: ButcherTableau, f, t, y, h, args, f0, n_stages):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ExplicitRungeKutta:
+class ExplicitRungeKutta(Method):
     """An explicit embedded Runge--Kutta method built from a `ButcherTableau`."""
 
     tableau: ButcherTableau
-    implicit: bool = dataclasses.field(default=False, init=False)
-
-    @property
-    def name(self) -> str:
-        return self.tableau.name
-
-    @property
-    def error_order(self) -> int:
-        return self.tableau.error_order
 
     def trial_step(self, f: Callable, t, y, f0, h, args):
         """One attempted step of size `h` from `(t, y)`.

@@ -67,10 +67,3 @@ class ButcherTableau:
     @property
     def stages(self) -> int:
         return self.b.shape[0]
-
-    @property
-    def error_order(self) -> int:
-        """The controller's exponent is `-1 / error_order`. For a p(p-1) pair the
-        estimate `y - y_hat` is locally O(h^p) (the embedded solution's local error),
-        so this is `order` -- Diffrax's convention, which the recorder matches."""
-        return self.order

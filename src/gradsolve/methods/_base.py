@@ -1,0 +1,24 @@
+"""What every method is: a tableau (data) plus the two steps the recorder and the
+replay call, `trial_step(f, t, y, f0, h, args) -> (y_new, y_error, f(t+h, y_new))` and
+`plain_step(f, t, y, h, args) -> y_new`, both for ONE trajectory."""
+
+import dataclasses
+from typing import Any, ClassVar
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Method:
+    tableau: Any
+    implicit: ClassVar[bool] = False
+    autonomous_only: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        return self.tableau.name
+
+    @property
+    def error_order(self) -> int:
+        """The controller's exponent is `-1 / error_order`. For a p(p-1) pair the
+        estimate `y - y_hat` is locally O(h^p) (the embedded solution's local error),
+        so this is the order p -- Diffrax's convention, which the recorder matches."""
+        return self.tableau.order
