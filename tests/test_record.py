@@ -61,10 +61,12 @@ def test_mesh_spans_the_interval_and_is_zero_padded():
 
 def test_chunked_buffer_records_the_same_mesh():
     # A chunk of 4 columns forces many returns to the host; the mesh must not change.
+    from gradsolve.config import make_config
     from gradsolve.record import run_record
     prob = gs.problems.lorenz(n=7)
-    small, y_small = run_record(prob, rtol=1e-6, atol=1e-9, method="tsit5", chunk=4)
-    big, y_big = run_record(prob, rtol=1e-6, atol=1e-9, method="tsit5", chunk=512)
+    cfg = make_config(prob, rtol=1e-6, atol=1e-9, method="tsit5")
+    small, y_small = run_record(prob, cfg, chunk=4)
+    big, y_big = run_record(prob, cfg, chunk=512)
     np.testing.assert_array_equal(small.h, big.h)
     np.testing.assert_array_equal(y_small, y_big)
 

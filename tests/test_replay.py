@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import gradsolve as gs
+from gradsolve.config import make_config
 from gradsolve.record import run_record
 from helpers import rel_err
 
@@ -13,7 +14,7 @@ from helpers import rel_err
 @pytest.fixture(scope="module")
 def lorenz():
     prob = gs.problems.lorenz(n=6)
-    mesh, y_end = run_record(prob, rtol=1e-8, atol=1e-10, method="tsit5")
+    mesh, y_end = run_record(prob, make_config(prob, rtol=1e-8, atol=1e-10, method="tsit5"))
     return prob, mesh, y_end
 
 

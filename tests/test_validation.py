@@ -55,7 +55,7 @@ def test_duck_typed_problem_is_validated_too():
 @pytest.mark.parametrize("call,error,match", [
     (lambda p: gs.solve(p, engine="warp-drive"), ValueError, "engine must be None or one of"),
     (lambda p: gs.solve(p, engine=3), TypeError, "engine must be None, a name"),
-    (lambda p: gs.solve(p, method="euler"), ValueError, r"method must be one of \['tsit5'\]"),
+    (lambda p: gs.solve(p, method="euler"), ValueError, r"method must be one of \['rodas5p', 'rosenbrock23', 'tsit5', 'vern7'\]"),
     (lambda p: gs.solve(p, rtol=-1.0), ValueError, "rtol must be a positive finite"),
     (lambda p: gs.solve(p, atol=np.nan), ValueError, "atol must be a positive finite"),
     (lambda p: gs.solve(p, dt0=0.0), ValueError, "dt0 must be"),

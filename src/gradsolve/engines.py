@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import control, methods
+from .config import Config
 from .record import field, run_record
 from .replay import _replay
 from .problem import param_axes
@@ -35,19 +36,6 @@ class Request:
     d: int
     method: str
     fused: bool = False
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Config:
-    """Solver settings shared by every engine (validated before it is built)."""
-
-    rtol: float
-    atol: float
-    method: str
-    dt0: Any = None
-    max_steps: int = 4096
-    ts: Any = None
-    remat: Any = None
 
 
 class Engine(eqx.Module):
@@ -74,8 +62,7 @@ class Engine(eqx.Module):
 
 
 def _general_solve(prob, cfg: Config):
-    mesh, y_end = run_record(prob, rtol=cfg.rtol, atol=cfg.atol, method=cfg.method,
-                             dt0=cfg.dt0, max_steps=cfg.max_steps)
+    mesh, y_end = run_record(prob, cfg)
     ys = y_end
     if cfg.ts is not None:
         ys = _replay(prob.f_jax, methods.get(cfg.method), mesh, prob.params, prob.y0,
@@ -96,9 +83,7 @@ class GeneralReplay(Engine):
         return _general_solve(prob, cfg)
 
     def record(self, prob, cfg, params=None, y0=None):
-        mesh, _ = run_record(prob, rtol=cfg.rtol, atol=cfg.atol, method=cfg.method,
-                             dt0=cfg.dt0, max_steps=cfg.max_steps, params=params, y0=y0)
-        return mesh
+        return run_record(prob, cfg, params=params, y0=y0)[0]
 
     def ys_function(self, prob, cfg, mode):
         method = methods.get(cfg.method)

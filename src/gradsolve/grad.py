@@ -18,9 +18,8 @@ import numpy as np
 from .engines import Request
 from .mesh import Mesh
 from .problem import _is_shared, as_problem
-from .record import DEFAULT_MAX_STEPS
+from .config import DEFAULT_MAX_STEPS, make_config
 from .router import route
-from .solve import make_config
 from .status import TrajectoryFailure, summarize
 
 

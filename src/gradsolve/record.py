@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import control, methods
+from .config import DEFAULT_MAX_STEPS, Config, make_config
 from .mesh import Mesh
 from .problem import as_problem, param_axes, unwrap_shared
 from .status import Status
 
 
-DEFAULT_MAX_STEPS = 4096
 DEFAULT_CHUNK = 64
 
 
@@ -104,18 +104,14 @@ def _start(y0, params, dt0, f_jax, method, rtol, atol, t0, t1):
     return t, t_next, f0
 
 
-def run_record(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STEPS,
-               params=None, y0=None, chunk=DEFAULT_CHUNK, recorder="general"):
+def run_record(prob, cfg: Config, *, params=None, y0=None, chunk=DEFAULT_CHUNK,
+               recorder="general"):
     """The general recorder. Returns `(mesh, y_final)`; `gs.record` keeps the mesh."""
-    prob = as_problem(prob)
     params = prob.params if params is None else params
     y0 = prob.y0 if y0 is None else jnp.asarray(y0)
-    method = methods.get(method)
-    rtol, atol = check_tolerances(rtol, atol)
-    dt0 = check_dt0(dt0, prob.n)
-    max_steps = int(max_steps)
-    if max_steps < 1:
-        raise ValueError(f"max_steps must be a positive integer, got {max_steps}")
+    method = methods.get(cfg.method)
+    rtol, atol, max_steps = cfg.rtol, cfg.atol, cfg.max_steps
+    dt0 = None if cfg.dt0 is None else (cfg.dt0 if np.ndim(cfg.dt0) == 0 else jnp.asarray(cfg.dt0))
     n = y0.shape[0]
     t0, t1 = (float(t) for t in prob.t_span)
     t, t_next, f0 = _start(y0, params, dt0, prob.f_jax, method, rtol, atol, t0, t1)
@@ -143,23 +139,6 @@ def run_record(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STEP
     return mesh, state.y
 
 
-def check_tolerances(rtol, atol):
-    for name, v in (("rtol", rtol), ("atol", atol)):
-        if not (isinstance(v, (int, float, np.floating)) and np.isfinite(v) and v > 0):
-            raise ValueError(f"{name} must be a positive finite number, got {v!r}")
-    return float(rtol), float(atol)
-
-
-def check_dt0(dt0, n):
-    if dt0 is None:
-        return None
-    a = np.asarray(dt0, dtype=np.float64)
-    if a.shape not in ((), (n,)) or not np.all(np.isfinite(a)) or not np.all(a > 0):
-        raise ValueError(f"dt0 must be None, a positive number or a positive array of "
-                         f"shape ({n},), got {dt0!r}")
-    return float(a) if a.shape == () else jnp.asarray(a)
-
-
 def record(prob, *, rtol=1e-6, atol=1e-9, method=None, dt0=None,
            max_steps=DEFAULT_MAX_STEPS, recorder=None, params=None, y0=None) -> Mesh:
     """Record the accepted step sizes of every trajectory (the mesh).
@@ -184,12 +163,11 @@ def record(prob, *, rtol=1e-6, atol=1e-9, method=None, dt0=None,
         >>> mesh.h.shape[0], mesh.method, mesh.ok
         (3, 'tsit5', True)
     """
-    from .router import default_method
     prob = as_problem(prob)
-    method = default_method(prob) if method is None else method
+    cfg = make_config(prob, rtol=rtol, atol=atol, method=method, dt0=dt0,
+                      max_steps=max_steps)
     if recorder not in (None, "general"):
         raise ValueError(f"recorder must be 'general' (the only recorder in this "
                          f"version) or None, got {recorder!r}")
-    mesh, _ = run_record(prob, rtol=rtol, atol=atol, method=method, dt0=dt0,
-                         max_steps=max_steps, params=params, y0=y0)
+    mesh, _ = run_record(prob, cfg, params=params, y0=y0)
     return mesh

@@ -11,9 +11,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import methods
+from .config import check_ts
 from .mesh import Mesh
 from .problem import as_problem, param_axes
 from .record import field
@@ -26,23 +26,6 @@ def default_remat(method, stiff: bool, d: int) -> bool:
     if getattr(method, "implicit", False) or stiff:
         return d >= 16
     return True
-
-
-def check_ts(ts, t_span):
-    """Validate requested output times: 1-D, non-decreasing, inside `t_span`."""
-    if ts is None:
-        return None
-    a = np.asarray(ts, dtype=np.float64)
-    t0, t1 = (float(t) for t in t_span)
-    if a.ndim != 1 or a.size == 0:
-        raise ValueError(f"ts must be a non-empty 1-D array of times, got shape {a.shape}")
-    if not np.all(np.isfinite(a)):
-        raise ValueError("ts must be finite")
-    if np.any(np.diff(a) < 0):
-        raise ValueError("ts must be non-decreasing")
-    if a[0] < t0 or a[-1] > t1:
-        raise ValueError(f"ts must lie inside t_span=({t0}, {t1}), got [{a[0]}, {a[-1]}]")
-    return a
 
 
 def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None):

@@ -15,11 +15,6 @@ GRADIENT_ORDER = ("fused_replay", "general_replay")
 FORWARD_ORDER = ("fused", "diffrax", "general")
 
 
-def default_method(prob) -> str:
-    """`rodas5p` for stiff problems, `tsit5` otherwise."""
-    return "rodas5p" if prob.stiff else "tsit5"
-
-
 def route(request: Request, engine=None) -> tuple[Engine, dict[str, str]]:
     """Choose the engine for `request`.
 

@@ -5,12 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import methods
-from .engines import Config, Request
+from .config import DEFAULT_MAX_STEPS, make_config
+from .engines import Request
 from .problem import EnsembleProblem, as_problem
-from .record import DEFAULT_MAX_STEPS, check_dt0, check_tolerances
-from .replay import check_ts
-from .router import default_method, route
+from .router import route
 from .status import Status, TrajectoryFailure, summarize
 
 
@@ -57,18 +55,6 @@ def cast_problem(prob: EnsembleProblem, dtype) -> EnsembleProblem:
         raise TypeError(f"dtype must be a floating dtype, got {dtype}")
     cast = lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x
     return prob.replace(y0=prob.y0.astype(dtype), params=jax.tree.map(cast, prob.params))
-
-
-def make_config(prob, *, rtol, atol, method, dt0, max_steps, ts, remat=None):
-    """Validate the solver settings shared by solve, record and value_and_grad."""
-    rtol, atol = check_tolerances(rtol, atol)
-    method = default_method(prob) if method is None else method
-    methods.get(method)
-    max_steps = int(max_steps)
-    if max_steps < 1:
-        raise ValueError(f"max_steps must be a positive integer, got {max_steps}")
-    return Config(rtol=rtol, atol=atol, method=method, dt0=check_dt0(dt0, prob.n),
-                  max_steps=max_steps, ts=check_ts(ts, prob.t_span), remat=remat)
 
 
 def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtype=None,

@@ -1,11 +1,14 @@
 """Integration methods: tableaux as data, each with a trial and a plain step."""
 
-from . import tsit5 as tsit5
+from . import rodas5p as rodas5p, rosenbrock23 as rosenbrock23, tsit5 as tsit5, vern7 as vern7
+from ._base import Method as Method
 from ._erk import ExplicitRungeKutta as ExplicitRungeKutta
+from ._rosenbrock import Rosenbrock as Rosenbrock, Rosenbrock23 as Rosenbrock23
+from ._rosenbrock_tableau import RosenbrockTableau as RosenbrockTableau
 from ._tableau import ButcherTableau as ButcherTableau
 
 
-_METHODS = {tsit5.method.name: tsit5.method}
+_METHODS = {m.method.name: m.method for m in (tsit5, vern7, rosenbrock23, rodas5p)}
 
 
 def get(name: str):

@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable
 
 import jax.numpy as jnp
+import numpy as np
 
 from ._base import Method
 from ._tableau import ButcherTableau
@@ -61,7 +62,8 @@ class ExplicitRungeKutta(Method):
         A zero step returns `y` exactly (the increment is `0 * sum(...)`).
         """
         tab = self.tableau
-        # With FSAL the last stage only feeds the error estimate: skip it.
-        n = tab.stages - 1 if tab.fsal else tab.stages
+        # Stages after the last nonzero weight only feed the error estimate (Tsit5's
+        # FSAL stage, Vern7's tenth): skip them.
+        n = int(np.flatnonzero(tab.b)[-1]) + 1
         fs = _stages(tab, f, t, y, h, args, f(t, y, args), n)
         return y + _combine(h, tab.b[:n], fs)

@@ -1,0 +1,89 @@
+"""Solver settings shared by `solve`, `record` and `value_and_grad`: one validation
+for all of them, run before anything is traced or compiled."""
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from . import methods
+
+
+DEFAULT_MAX_STEPS = 4096
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Config:
+    """Validated solver settings."""
+
+    rtol: float
+    atol: float
+    method: str
+    dt0: Any = None
+    max_steps: int = DEFAULT_MAX_STEPS
+    ts: Any = None
+    remat: Any = None
+
+
+def default_method(prob) -> str:
+    """`rodas5p` for stiff problems, `tsit5` otherwise."""
+    return "rodas5p" if prob.stiff else "tsit5"
+
+
+def check_tolerances(rtol, atol):
+    for name, v in (("rtol", rtol), ("atol", atol)):
+        if not (isinstance(v, (int, float, np.floating)) and np.isfinite(v) and v > 0):
+            raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+    return float(rtol), float(atol)
+
+
+def check_dt0(dt0, n):
+    if dt0 is None:
+        return None
+    a = np.asarray(dt0, dtype=np.float64)
+    if a.shape not in ((), (n,)) or not np.all(np.isfinite(a)) or not np.all(a > 0):
+        raise ValueError(f"dt0 must be None, a positive number or a positive array of "
+                         f"shape ({n},), got {dt0!r}")
+    return float(a) if a.shape == () else a
+
+
+def check_ts(ts, t_span):
+    """Validate requested output times: 1-D, non-decreasing, inside `t_span`."""
+    if ts is None:
+        return None
+    a = np.asarray(ts, dtype=np.float64)
+    t0, t1 = (float(t) for t in t_span)
+    if a.ndim != 1 or a.size == 0:
+        raise ValueError(f"ts must be a non-empty 1-D array of times, got shape {a.shape}")
+    if not np.all(np.isfinite(a)):
+        raise ValueError("ts must be finite")
+    if np.any(np.diff(a) < 0):
+        raise ValueError("ts must be non-decreasing")
+    if a[0] < t0 or a[-1] > t1:
+        raise ValueError(f"ts must lie inside t_span=({t0}, {t1}), got [{a[0]}, {a[-1]}]")
+    return a
+
+
+def check_method(prob, name):
+    """The method called `name`, refused where it cannot serve `prob`."""
+    method = methods.get(name)
+    if method.autonomous_only:
+        from .methods._rosenbrock import uses_time
+        from .problem import trajectory_params
+        if uses_time(prob.f_one, prob.y0[0, 0], prob.y0[0], trajectory_params(prob.params, 0)):
+            raise ValueError(
+                f"method {name!r} is for autonomous systems, but f_jax reads t; use "
+                f"'rodas5p' (it carries df/dt)")
+    return method
+
+
+def make_config(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STEPS,
+                ts=None, remat=None) -> Config:
+    """Validate every setting against `prob` and return a `Config`."""
+    rtol, atol = check_tolerances(rtol, atol)
+    method = default_method(prob) if method is None else method
+    check_method(prob, method)
+    if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)) or max_steps < 1:
+        raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+    return Config(rtol=rtol, atol=atol, method=method, dt0=check_dt0(dt0, prob.n),
+                  max_steps=int(max_steps), ts=check_ts(ts, prob.t_span), remat=remat)

@@ -1,0 +1,135 @@
+"""Rosenbrock--Wanner steps: the trial step (with error estimate) and the plain step.
+
+Each step forms `W` from `J = df/dy` (by `jax.jacfwd`: the user never supplies it),
+factors it ONCE and reuses the factors for every stage. Every stage solve goes
+through `jax.lax.custom_linear_solve` with the LU solve and its transpose, so
+reverse mode costs one transposed solve per stage and never differentiates the
+elimination steps; the dependence of `W` on the parameters enters through its
+matrix-vector product.
+
+A zero step (mesh padding) would make `W` singular; it is computed with a stand-in
+step of one and discarded, so no NaN reaches a derivative.
+"""
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+
+from ._base import Method
+from ._rosenbrock_tableau import RosenbrockTableau
+
+
+def _solver(W):
+    """`b -> W^{-1} b` through one LU factorization, differentiated by the
+    linear-solve rule (transposed solve) rather than through the elimination."""
+    lu = jsl.lu_factor(W)
+
+    def solve(b):
+        return jax.lax.custom_linear_solve(
+            lambda x: W @ x, b,
+            solve=lambda _, r: jsl.lu_solve(lu, r),
+            transpose_solve=lambda _, r: jsl.lu_solve(lu, r, trans=1))
+    return solve
+
+
+def _safe(h):
+    return jnp.where(h > 0, h, jnp.ones_like(h))
+
+
+def uses_time(f, t, y, args) -> bool:
+    """Whether `f(t, y, args)` reads `t` (any equation of its jaxpr takes it)."""
+    closed = jax.make_jaxpr(f)(t, y, args)
+    t_var = closed.jaxpr.invars[0]
+
+    def reads(jaxpr, var):
+        for eqn in jaxpr.eqns:
+            if any(v is var for v in eqn.invars):
+                return True
+        return False
+    return reads(closed.jaxpr, t_var)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rosenbrock(Method):
+    """A Rosenbrock--Wanner method in transformed form (see `RosenbrockTableau`)."""
+
+    tableau: RosenbrockTableau
+    implicit: ClassVar[bool] = True
+
+    def _step(self, f, t, y, h, args, f0, with_error):
+        tab = self.tableau
+        dtype = y.dtype
+        h = _safe(h)
+        J = jax.jacfwd(f, argnums=1)(t, y, args)
+        needs_ft = bool((tab.d != 0).any())
+        f_t = jax.jacfwd(f, argnums=0)(t, y, args) if needs_ft else None
+        W = jnp.eye(y.shape[0], dtype=dtype) / (h * tab.gamma) - J
+        solve = _solver(W)
+        us = []
+        for i in range(tab.stages):
+            a, C = jnp.asarray(tab.a[i], dtype), jnp.asarray(tab.C[i], dtype)
+            if i == 0:
+                slope = f0
+            else:
+                y_i = y + sum(a[j] * us[j] for j in range(i) if tab.a[i, j] != 0)
+                slope = f(t + jnp.asarray(tab.c[i], dtype) * h, y_i, args)
+            rhs = slope
+            coupled = [j for j in range(i) if tab.C[i, j] != 0]
+            if coupled:
+                rhs = rhs + sum(C[j] * us[j] for j in coupled) / h
+            if needs_ft and tab.d[i] != 0:
+                rhs = rhs + (jnp.asarray(tab.d[i], dtype) * h) * f_t
+            us.append(solve(rhs))
+        y_new = y + _weighted(tab.m, us, dtype)
+        err = _weighted(tab.m_err, us, dtype) if with_error else None
+        return y_new, err
+
+    def trial_step(self, f, t, y, f0, h, args):
+        """`(y_new, y_error, f(t + h, y_new))` of a step of size `h` from `(t, y)`."""
+        y_new, err = self._step(f, t, y, h, args, f0, True)
+        return y_new, err, f(t + h, y_new, args)
+
+    def plain_step(self, f, t, y, h, args):
+        """The step without its error estimate; a zero step returns `y`."""
+        y_new, _ = self._step(f, t, y, h, args, f(t, y, args), False)
+        return jnp.where(h > 0, y_new, y)
+
+
+def _weighted(weights, us, dtype):
+    w = jnp.asarray(weights, dtype)
+    return sum(w[j] * us[j] for j in range(len(us)) if weights[j] != 0)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rosenbrock23(Method):
+    """Shampine & Reichelt's second-order linearly implicit pair (MATLAB's ode23s),
+    for autonomous systems: `W = I - h d J`, two solves for the step, a third (with
+    the FSAL slope `f(t + h, y_new)`) for the third-order error estimate."""
+
+    implicit: ClassVar[bool] = True
+    autonomous_only: ClassVar[bool] = True
+
+    def _step(self, f, t, y, h, args, f0):
+        dtype = y.dtype
+        h = _safe(h)
+        d = jnp.asarray(self.tableau.d, dtype)
+        J = jax.jacfwd(f, argnums=1)(t, y, args)
+        solve = _solver(jnp.eye(y.shape[0], dtype=dtype) - (h * d) * J)
+        k1 = solve(f0)
+        f1 = f(t + 0.5 * h, y + (0.5 * h) * k1, args)
+        k2 = solve(f1 - k1) + k1
+        return y + h * k2, solve, k1, k2, f1
+
+    def trial_step(self, f, t, y, f0, h, args):
+        y_new, solve, k1, k2, f1 = self._step(f, t, y, h, args, f0)
+        f2 = f(t + h, y_new, args)
+        e32 = jnp.asarray(self.tableau.e32, y.dtype)
+        k3 = solve(f2 - e32 * (k2 - f1) - 2 * (k1 - f0))
+        return y_new, (_safe(h) / 6) * (k1 - 2 * k2 + k3), f2
+
+    def plain_step(self, f, t, y, h, args):
+        y_new = self._step(f, t, y, h, args, f(t, y, args))[0]
+        return jnp.where(h > 0, y_new, y)
