@@ -23,6 +23,7 @@ class Config:
     max_steps: int = DEFAULT_MAX_STEPS
     ts: Any = None
     remat: Any = None
+    interpolate: bool = False
 
 
 def default_method(prob) -> str:
@@ -77,13 +78,32 @@ def check_method(prob, name):
     return method
 
 
+def default_remat(method, stiff: bool, d: int) -> bool:
+    """Recompute the step in the backward sweep (`jax.checkpoint`)? On for
+    non-stiff methods; for stiff (implicit) ones only from 16 variables on, where the
+    stored stage intermediates (Jacobians, factorizations) grow as d^2."""
+    if method.implicit or stiff:
+        return d >= 16
+    return True
+
+
+def check_interpolate(method, interpolate):
+    if interpolate and not method.has_dense_output:
+        raise ValueError(f"interpolate=True needs a method with a continuous extension "
+                         f"(rodas5p); {method.name!r} has none")
+
+
 def make_config(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STEPS,
-                ts=None, remat=None) -> Config:
+                ts=None, remat=None, interpolate=False) -> Config:
     """Validate every setting against `prob` and return a `Config`."""
     rtol, atol = check_tolerances(rtol, atol)
     method = default_method(prob) if method is None else method
-    check_method(prob, method)
+    m = check_method(prob, method)
+    check_interpolate(m, interpolate)
+    if remat is None:
+        remat = default_remat(m, prob.stiff, prob.d)
     if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)) or max_steps < 1:
         raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
     return Config(rtol=rtol, atol=atol, method=method, dt0=check_dt0(dt0, prob.n),
-                  max_steps=int(max_steps), ts=check_ts(ts, prob.t_span), remat=remat)
+                  max_steps=int(max_steps), ts=check_ts(ts, prob.t_span), remat=bool(remat),
+                  interpolate=bool(interpolate))

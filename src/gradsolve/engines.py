@@ -66,7 +66,7 @@ def _general_solve(prob, cfg: Config):
     ys = y_end
     if cfg.ts is not None:
         ys = _replay(prob.f_jax, methods.get(cfg.method), mesh, prob.params, prob.y0,
-                     cfg.ts, False)
+                     cfg.ts, False, cfg.interpolate)
     return ys, mesh.status, mesh.n_steps, mesh.n_rejected
 
 
@@ -87,10 +87,10 @@ class GeneralReplay(Engine):
 
     def ys_function(self, prob, cfg, mode):
         method = methods.get(cfg.method)
-        remat = cfg.remat
 
         def ys_fn(mesh, params, y0):
-            ys = _replay(prob.f_jax, method, mesh, params, y0, cfg.ts, remat)
+            ys = _replay(prob.f_jax, method, mesh, params, y0, cfg.ts, cfg.remat,
+                         cfg.interpolate)
             # Failed trajectories (allowed by on_failure="mask") carry no gradient.
             ok = (mesh.status == Status.SUCCESS).reshape((-1,) + (1,) * (ys.ndim - 1))
             return jnp.where(ok, ys, jax.lax.stop_gradient(ys))

@@ -173,7 +173,8 @@ class ValueAndGrad:
 
 def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=1e-9,
                    method=None, engine=None, ts=None, remat=None, mesh=None, fused=None,
-                   dt0=None, max_steps=DEFAULT_MAX_STEPS, on_failure="raise"):
+                   dt0=None, max_steps=DEFAULT_MAX_STEPS, on_failure="raise",
+                   interpolate=False):
     """Record once; return a function computing `loss` and its exact gradient.
 
     The gradient is that of the replay on the recorded mesh, `d Psi(theta;
@@ -190,7 +191,9 @@ def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=
         engine: None (router), an engine name (`"general_replay"`, `"diffrax"` for
             the baseline) or an engine object such as `gs.engines.Diffrax(checkpoints=)`.
         ts: output times; each output is integrated by one extra step.
-        remat: recompute steps in the backward sweep (default on for non-stiff).
+        remat: recompute steps in the backward sweep (default on for non-stiff
+            methods, for stiff ones from 16 variables on).
+        interpolate: serve `ts` from the continuous extension (Rodas5P) instead.
         mesh: differentiate on this mesh instead of recording one.
         fused: ask for the fused form of the field (no fused engine in this version).
         on_failure: `"raise"` if a trajectory failed to record, or `"mask"` to
@@ -216,6 +219,6 @@ def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     cfg = make_config(prob, rtol=rtol, atol=atol, method=method, dt0=dt0,
-                      max_steps=max_steps, ts=ts, remat=remat)
+                      max_steps=max_steps, ts=ts, remat=remat, interpolate=interpolate)
     return ValueAndGrad(prob, loss, wrt=wrt, mode=mode, cfg=cfg, engine=engine, mesh=mesh,
                         on_failure=on_failure, fused=fused)

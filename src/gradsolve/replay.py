@@ -13,22 +13,14 @@ import jax
 import jax.numpy as jnp
 
 from . import methods
-from .config import check_ts
+from .config import check_interpolate, check_ts, default_remat
 from .mesh import Mesh
 from .problem import as_problem, param_axes
 from .record import field
 
 
-def default_remat(method, stiff: bool, d: int) -> bool:
-    """Recompute the step in the backward sweep (`jax.checkpoint`)? On for
-    non-stiff methods; for stiff (implicit) ones only from 16 variables on, where the
-    stored stage intermediates (Jacobians, factorizations) grow as d^2."""
-    if getattr(method, "implicit", False) or stiff:
-        return d >= 16
-    return True
-
-
-def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None):
+def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
+           interpolate=False):
     """Replay `mesh` from `y0` with `params`: differentiable, pure JAX.
 
     Args:
@@ -38,7 +30,10 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None):
         ts: optional 1-D array of output times inside `t_span`. Each output is
             INTEGRATED: one extra plain step from the last mesh point at or before it,
             not an interpolation.
-        remat: wrap the step in `jax.checkpoint` (default: on for non-stiff methods).
+        remat: wrap the step in `jax.checkpoint` (default: on for non-stiff methods,
+            and for stiff ones from 16 variables on).
+        interpolate: serve `ts` from the method's continuous extension on the mesh
+            step containing each time (Rodas5P), instead of an extra integrated step.
 
     Returns:
         Final states `(n, d)`, or `(n, len(ts), d)` with `ts`.
@@ -59,12 +54,13 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None):
     y0 = prob.y0 if y0 is None else y0
     method = methods.get(mesh.method)
     ts = check_ts(ts, prob.t_span)
+    check_interpolate(method, interpolate)
     if remat is None:
         remat = default_remat(method, prob.stiff, prob.d)
-    return _replay(prob.f_jax, method, mesh, params, y0, ts, bool(remat))
+    return _replay(prob.f_jax, method, mesh, params, y0, ts, bool(remat), interpolate)
 
 
-def _replay(f_jax, method, mesh, params, y0, ts, remat):
+def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False):
     f = field(f_jax)
     axes = param_axes(params)
     # The carry is laid out (d, n): each component of the ensemble is one contiguous
@@ -98,6 +94,13 @@ def _replay(f_jax, method, mesh, params, y0, ts, remat):
     cols = jnp.arange(h.shape[0])[None, :]
     y_base = jnp.moveaxis(y_all[k, :, cols], -1, 1)                   # (J, d, n)
     t_base = t_grid.T[k, cols]                                        # (J, n)
-    extra = jax.vmap(step, in_axes=(0, 0, 0, None))
-    ys = extra(t_base, y_base, ts[:, None] - t_base, params)          # (J, d, n)
-    return jnp.transpose(ys, (2, 0, 1))
+    dt = ts[:, None] - t_base
+    if interpolate:
+        h_k = jnp.pad(h, ((0, 0), (0, 1))).T[k, cols]                  # (J, n), 0 at t_end
+        theta = dt / jnp.where(h_k > 0, h_k, 1)
+        dense = jax.vmap(functools.partial(method.dense_output, f),
+                         in_axes=(0, 1, 0, 0, axes), out_axes=1)
+        ys = jax.vmap(dense, in_axes=(0, 0, 0, 0, None))(t_base, y_base, h_k, theta, params)
+    else:
+        ys = jax.vmap(step, in_axes=(0, 0, 0, None))(t_base, y_base, dt, params)
+    return jnp.transpose(ys, (2, 0, 1))                               # (n, J, d)

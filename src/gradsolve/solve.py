@@ -58,7 +58,7 @@ def cast_problem(prob: EnsembleProblem, dtype) -> EnsembleProblem:
 
 
 def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtype=None,
-          max_steps=DEFAULT_MAX_STEPS, dt0=None) -> Solution:
+          max_steps=DEFAULT_MAX_STEPS, dt0=None, interpolate=False) -> Solution:
     """Solve every trajectory of an ensemble (forward only).
 
     Args:
@@ -71,6 +71,8 @@ def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtyp
         dtype: cast the problem to this floating dtype first.
         max_steps: cap on attempted steps per trajectory.
         dt0: first step (default: Hairer & Wanner's rule per trajectory).
+        interpolate: serve `ts` from the continuous extension (Rodas5P) rather than
+            by one extra integrated step per output.
 
     Returns:
         A `gs.Solution`; `.engine` names the engine that ran.
@@ -85,7 +87,7 @@ def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtyp
     """
     prob = cast_problem(as_problem(prob), dtype)
     cfg = make_config(prob, rtol=rtol, atol=atol, method=method, dt0=dt0,
-                      max_steps=max_steps, ts=ts)
+                      max_steps=max_steps, ts=ts, interpolate=interpolate)
     request = Request(gradient=False, stiff=prob.stiff, d=prob.d, method=cfg.method,
                       fused=prob.fused)
     eng, passed = route(request, engine)

@@ -16,6 +16,8 @@ class Method:
     def name(self) -> str:
         return self.tableau.name
 
+    has_dense_output: ClassVar[bool] = False
+
     @property
     def error_order(self) -> int:
         """The controller's exponent is `-1 / error_order`. For a p(p-1) pair the

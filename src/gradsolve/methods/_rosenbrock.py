@@ -85,17 +85,31 @@ class Rosenbrock(Method):
             us.append(solve(rhs))
         y_new = y + _weighted(tab.m, us, dtype)
         err = _weighted(tab.m_err, us, dtype) if with_error else None
-        return y_new, err
+        return y_new, err, us
 
     def trial_step(self, f, t, y, f0, h, args):
         """`(y_new, y_error, f(t + h, y_new))` of a step of size `h` from `(t, y)`."""
-        y_new, err = self._step(f, t, y, h, args, f0, True)
+        y_new, err, _ = self._step(f, t, y, h, args, f0, True)
         return y_new, err, f(t + h, y_new, args)
 
     def plain_step(self, f, t, y, h, args):
         """The step without its error estimate; a zero step returns `y`."""
-        y_new, _ = self._step(f, t, y, h, args, f(t, y, args), False)
+        y_new, _, _ = self._step(f, t, y, h, args, f(t, y, args), False)
         return jnp.where(h > 0, y_new, y)
+
+    @property
+    def has_dense_output(self) -> bool:
+        return self.tableau.dense is not None
+
+    def dense_output(self, f, t, y, h, theta, args):
+        """The continuous extension of the step `(t, y, h)` at `t + theta h`: the
+        step's own stages, no further evaluations of `f` (see `rodas5p.py`)."""
+        y_new, _, us = self._step(f, t, y, h, args, f(t, y, args), False)
+        dtype = y.dtype
+        k = [_weighted(row, us, dtype) for row in self.tableau.dense]
+        one = 1 - theta
+        y_theta = one * y + theta * (y_new + one * (k[0] + theta * (k[1] + theta * k[2])))
+        return jnp.where(h > 0, y_theta, y)
 
 
 def _weighted(weights, us, dtype):
