@@ -316,12 +316,15 @@ def versions():
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             out[pkg] = None
-    try:
-        out["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-            text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        out["git_commit"] = None
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+    out["git_commit"] = git("rev-parse", "--short", "HEAD") or None
+    status = git("status", "--porcelain", "--", "src")
+    out["src_uncommitted_changes"] = None if status is None else bool(status)
     return out
 
 
@@ -399,7 +402,7 @@ def verdicts(results):
     return out
 
 
-def markdown(report, command):
+def markdown(report, command, out):
     res = report["results"]
     swept = [n for n in res if len(res[n]["points"]) > 1]
     single = [n for n in res if len(res[n]["points"]) == 1]
@@ -433,11 +436,21 @@ def markdown(report, command):
     lines += [
         "", f"Machine: {m['cpu_model']} ({m['cpu_count']} CPUs, {m['memory_gib']} GiB), "
         f"{m['platform']}; jax {v['jax']}, diffrax {v['diffrax']}, gradsolve {v['gradsolve']}"
-        f" (commit {v['git_commit']}); {report['date']}. The machine was shared with other "
-        "work during the run: read ratios to within a factor of about 1.5.", "",
-        f"Reproduce: `{command}` (raw numbers: `benchmarks/results/grad_vs_diffrax.json`).",
+        f" (commit {v['git_commit']}"
+        + (", with uncommitted changes under src/" if v["src_uncommitted_changes"] else "")
+        + f"); {report['date']}. The machine was shared with other work during the run "
+        "(timings vary by up to ~2x between neighbouring points): read single ratios "
+        "loosely.", "",
+        f"Reproduce: `{command}`"
+        + (f" (raw numbers: `{display_path(out)}`)." if out else "."),
     ]
     return "\n".join(lines)
+
+
+def display_path(path):
+    """`path` relative to the repository root when it lies inside it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def write_docs(path, section):
@@ -495,6 +508,7 @@ def main(argv=None):
     command = " ".join([".venv/bin/python", "benchmarks/grad_vs_diffrax.py"] + sys.argv[1:])
     log(f"grad_vs_diffrax: sizes {sizes}, tolerances {tols} (n > {args.sweep_max_n}: rtol "
         f"{MAIN_RTOL:g} only), Diffrax max_steps {args.max_steps}")
+    env = versions()     # before measuring: the code that is imported and timed
     t_start = time.perf_counter()
     results = {}
     for n in sizes:
@@ -523,7 +537,7 @@ def main(argv=None):
             f"atol {REF_ATOL:g}", "error": "max_i max|y_i - ref_i| / max|ref_i| (final states)",
             "timing": "median of warm repeats after one untimed compiling call",
             "quick": args.quick},
-        "machine": machine(), "versions": versions(),
+        "machine": machine(), "versions": env,
         "total_wall_s": time.perf_counter() - t_start,
         "results": results,
     }
@@ -543,7 +557,7 @@ def main(argv=None):
         path.write_text(json.dumps(report, indent=1) + "\n")
         log(f"wrote {path}")
     if docs:
-        write_docs(Path(docs), markdown(report, command))
+        write_docs(Path(docs), markdown(report, command, out))
         log(f"wrote {docs}")
     return report
 

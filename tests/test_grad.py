@@ -144,3 +144,11 @@ def test_failed_trajectory_raises_unless_masked():
     # Healthy members: d/dy0 of sum(y(1)^2) with y = y0 exp(-t) is 2 y0 exp(-2).
     np.testing.assert_allclose(np.asarray(g)[[0, 2]], 2 * np.exp(-2.0), rtol=1e-6)
     np.testing.assert_array_equal(g[1], 0.0)
+
+
+def test_diffrax_baseline_gradient_fails_loudly():
+    # The Diffrax engine has no mesh to inspect: a solve that runs out of steps must
+    # raise inside the gradient rather than return a truncated solution's loss.
+    vg = gs.value_and_grad(gs.problems.lorenz(n=3), loss, engine="diffrax", max_steps=16)
+    with pytest.raises(RuntimeError, match="max_steps"):
+        vg()

@@ -140,7 +140,7 @@ class Diffrax(Engine):
             return f"Diffrax has no {request.method!r} solver"
         return None
 
-    def _solve_fn(self, prob, cfg, adjoint, ts):
+    def _solve_fn(self, prob, cfg, adjoint, ts, throw):
         import diffrax
 
         solver = getattr(diffrax, _DIFFRAX_SOLVERS[cfg.method])()
@@ -155,7 +155,7 @@ class Diffrax(Engine):
             sol = diffrax.diffeqsolve(
                 term, solver, t0, t1, dt0, y0, args=p, saveat=saveat,
                 stepsize_controller=controller, max_steps=cfg.max_steps,
-                adjoint=adjoint, throw=False)
+                adjoint=adjoint, throw=throw)
             ys = sol.ys if ts is not None else sol.ys[0]
             return ys, sol.result, sol.stats
 
@@ -177,7 +177,7 @@ class Diffrax(Engine):
         import diffrax
 
         run = eqx.filter_jit(self._solve_fn(prob, cfg, diffrax.RecursiveCheckpointAdjoint(),
-                                            cfg.ts))
+                                            cfg.ts, throw=False))
         ys, result, stats = run(prob.params, prob.y0)
         status = jnp.where(result == diffrax.RESULTS.successful, Status.SUCCESS,
                            jnp.where(result == diffrax.RESULTS.max_steps_reached,
@@ -191,7 +191,9 @@ class Diffrax(Engine):
             adjoint = diffrax.ForwardMode()
         else:
             adjoint = diffrax.RecursiveCheckpointAdjoint(checkpoints=self.checkpoints)
-        run = self._solve_fn(prob, cfg, adjoint, cfg.ts)
+        # No mesh to inspect beforehand: a failed solve raises inside the gradient
+        # (Diffrax's own runtime check) instead of returning a wrong value.
+        run = self._solve_fn(prob, cfg, adjoint, cfg.ts, throw=True)
         return lambda mesh, params, y0: run(params, y0)[0]
 
 
