@@ -127,23 +127,26 @@ class Diffrax(Engine):
     Args:
         checkpoints: `RecursiveCheckpointAdjoint(checkpoints=...)` for reverse-mode
             gradients (None: Diffrax's default, about log(max_steps) checkpoints).
+        solver: a Diffrax solver to use instead of the one matching `method` (for
+            baselines such as `diffrax.Kvaerno5()` or `diffrax.Dopri8()`).
     """
 
     name: ClassVar[str] = "diffrax"
     records: ClassVar[bool] = False
     checkpoints: int | None = None
+    solver: Any = None
 
     def supports(self, request):
         if importlib.util.find_spec("diffrax") is None:
             return "diffrax is not installed"
-        if request.method not in _DIFFRAX_SOLVERS:
+        if self.solver is None and request.method not in _DIFFRAX_SOLVERS:
             return f"Diffrax has no {request.method!r} solver"
         return None
 
     def _solve_fn(self, prob, cfg, adjoint, ts, throw):
         import diffrax
 
-        solver = getattr(diffrax, _DIFFRAX_SOLVERS[cfg.method])()
+        solver = self.solver or getattr(diffrax, _DIFFRAX_SOLVERS[cfg.method])()
         method = methods.get(cfg.method)
         f = field(prob.f_jax)
         t0, t1 = (float(t) for t in prob.t_span)
