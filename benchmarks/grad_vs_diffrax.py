@@ -60,6 +60,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import gradsolve as gs  # noqa: E402
+from _common import write_docs  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -453,19 +454,6 @@ def display_path(path):
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def write_docs(path, section):
-    block = f"{START}\n{section}\n{END}"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        _, tail = rest.split(END, 1)
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 # ------------------------------------------------------------------------------ main
 
 def parse_list(text, kind):
@@ -557,7 +545,7 @@ def main(argv=None):
         path.write_text(json.dumps(report, indent=1) + "\n")
         log(f"wrote {path}")
     if docs:
-        write_docs(Path(docs), markdown(report, command, out))
+        write_docs(Path(docs), markdown(report, command, out), START, END)
         log(f"wrote {docs}")
     return report
 

@@ -1,6 +1,8 @@
 """gradsolve: exact gradients for ensembles of ODEs by record and replay."""
 
 from . import engines as engines, methods as methods, problems as problems
+from .calibrate import Calibrator as Calibrator, FitResult as FitResult, FitStatus as FitStatus
+from .calibrate import transforms as transforms
 from .engines import Engine as Engine, engine_names as engine_names
 from .grad import value_and_grad as value_and_grad, ValueAndGrad as ValueAndGrad
 from .mesh import Mesh as Mesh

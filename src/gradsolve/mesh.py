@@ -66,6 +66,12 @@ class Mesh(eqx.Module):
             raise ValueError(f"columns must be >= {self.columns}, got {columns}")
         return eqx.tree_at(lambda m: m.h, self, jnp.pad(self.h, ((0, 0), (0, extra))))
 
+    def widened(self, columns: int, multiple: int = 8) -> "Mesh":
+        """Padded to at least `columns`, rounded up to a multiple of `multiple`: a
+        refreshed mesh keeps its compiled replay unless it outgrows the width."""
+        width = max(columns, self.columns)
+        return self.padded(-(-width // multiple) * multiple)
+
     def summary(self) -> str:
         n_steps = np.asarray(self.n_steps)
         return (f"Mesh({self.method}, recorder={self.recorder}, n={self.n}, "

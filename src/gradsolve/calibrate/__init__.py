@@ -1,0 +1,7 @@
+"""Calibration: B concurrent Optax fits on the recorded mesh, with checkpoints."""
+
+from . import _transforms as transforms
+from ._calibrator import Calibrator as Calibrator, FitState as FitState, FitStatus as FitStatus
+from ._result import FitResult as FitResult
+
+__all__ = ["Calibrator", "FitResult", "FitState", "FitStatus", "transforms"]
