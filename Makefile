@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) recipes/lorenz_gradient.py
+	$(PY) recipes/lorenz_rho.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

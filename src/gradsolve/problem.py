@@ -203,7 +203,7 @@ def _check_field_shape(prob: EnsembleProblem):
     t = jax.ShapeDtypeStruct((), prob.y0.dtype)
     p = trajectory_params(prob.params, 0)
     try:
-        out = jax.eval_shape(prob.f_one, t, y, p)
+        out = eqx.filter_eval_shape(prob.f_one, t, y, p)
     except Exception as e:
         raise TypeError(
             f"f_jax(t, y, params) failed on one trajectory (t scalar, y of shape "

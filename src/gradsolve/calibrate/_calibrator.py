@@ -21,7 +21,7 @@ import optax
 
 from ..config import DEFAULT_MAX_STEPS, make_config
 from ..engines import Request
-from ..problem import as_problem
+from ..problem import Shared, as_problem
 from ..router import route
 from ..status import Status
 from . import _transforms
@@ -161,14 +161,25 @@ class Calibrator:
         else:
             one = self.to_params
         per_fit = eqx.filter_vmap(one)(theta)
-        return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:])
-                            if eqx.is_array(x) else x, per_fit)
+        B = jax.tree.leaves(theta)[0].shape[0] if jax.tree.leaves(theta) else 1
+
+        def merge(x):
+            if isinstance(x, Shared):
+                # Common to every trajectory of the ensemble: only one fit can own it.
+                if B != 1:
+                    raise ValueError("to_params may return gs.Shared parameters only when "
+                                     f"B == 1 (one fit owns them), got B={B}")
+                return Shared(jax.tree.map(lambda v: v[0] if eqx.is_array(v) else v,
+                                           x.value))
+            return x.reshape((-1,) + x.shape[2:]) if eqx.is_array(x) else x
+        return jax.tree.map(merge, per_fit, is_leaf=lambda v: isinstance(v, Shared))
 
     def _losses(self, u, static, mesh, data, K):
         theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
         ys = self._ys(mesh, self._full_params(theta, K), self.problem.y0)
         ys_b = ys.reshape((-1, K) + ys.shape[1:])
-        axes = (0, 0, None if data is None else 0)
+        batched = eqx.if_array(0)
+        axes = (batched, batched, None if data is None else batched)
         return eqx.filter_vmap(self.loss, in_axes=axes)(ys_b, theta, data)
 
     def _update_impl(self, state: FitState, static, mesh, data, tol, grad_tol, cap):

@@ -6,6 +6,12 @@ from typing import Any
 import numpy as np
 
 
+def _name(path) -> str:
+    """`['rho']` -> `rho`, `[0]` -> `0`: leaf paths as column labels."""
+    import jax
+    return jax.tree_util.keystr(path).replace("']['", ".").strip("[]'") or "theta"
+
+
 @dataclasses.dataclass(frozen=True)
 class FitResult:
     """The outcome of B fits.
@@ -59,11 +65,10 @@ class FitResult:
         """A recovered-vs-true table of the scalar-per-fit leaves of theta."""
         import jax
         leaves = jax.tree_util.tree_leaves_with_path(self.theta)
-        rows = [(jax.tree_util.keystr(p), np.asarray(v)) for p, v in leaves
-                if np.ndim(v) == 1]
+        rows = [(_name(p), np.asarray(v)) for p, v in leaves if np.ndim(v) == 1]
         truth = {}
         if true is not None:
-            truth = {jax.tree_util.keystr(p): np.asarray(v)
+            truth = {_name(p): np.asarray(v)
                      for p, v in jax.tree_util.tree_leaves_with_path(true)}
         head = f"{'fit':>4} " + " ".join(
             f"{name:>12} {'true':>12} {'rel err':>9}" if name in truth else f"{name:>12}"
@@ -101,8 +106,7 @@ class FitResult:
             for (p, est), t in zip(jax.tree_util.tree_leaves_with_path(self.theta),
                                    jax.tree.leaves(true)):
                 if np.ndim(est) == 1:
-                    ax.plot(np.asarray(t), np.asarray(est), "o",
-                            label=jax.tree_util.keystr(p))
+                    ax.plot(np.asarray(t), np.asarray(est), "o", label=_name(p))
             lo, hi = ax.get_xlim()
             ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
             ax.set_xlabel("true")
