@@ -22,6 +22,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/grad_vs_diffrax.py
+	$(PY) benchmarks/stiff_and_high_order.py
+	$(PY) benchmarks/fit_vs_diffrax.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

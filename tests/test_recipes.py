@@ -1,0 +1,76 @@
+"""The calibration recipes recover what they generated their data from."""
+
+import pathlib
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import gradsolve as gs
+from helpers import rel_err
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "recipes"))
+
+import galactic_halo  # noqa: E402
+import neural_robertson  # noqa: E402
+import robertson_rates  # noqa: E402
+
+
+def test_galactic_halo_recovers_q_within_two_percent():
+    # Positions of 4 stars at 4 times with noise 0.005 pin q to ~1e-3 (measured
+    # <= 8e-4 relative with B = 8); 2% is the acceptance bound.
+    prob, to_params, loss, data, theta0, truth = galactic_halo.build(B=4, K=4)
+    cal = gs.Calibrator(prob, loss, to_params=to_params, data=data, ts=galactic_halo.TS,
+                        optimizer=optax.adam(0.05),
+                        transform={"q": gs.transforms.Bounded(0.5, 1.2)}, refresh_every=50)
+    res = cal.fit(theta0, steps=300, grad_tol=1e-7, progress=False)
+    rel = np.abs(np.asarray(res.theta["q"]) - truth["q"]) / truth["q"]
+    assert np.all(rel < 0.02), rel
+
+
+def test_robertson_rates_recover_k1_k3_within_five_percent():
+    # Relative noise 1e-3 on six times of three reactors: the rates come back to a
+    # few 1e-3 (measured <= 1.9e-2 at the step cap); 5% is the acceptance bound.
+    prob, to_params, loss, data, theta0, truth = robertson_rates.build(B=2, K=3)
+    cal = gs.Calibrator(prob, loss, to_params=to_params, data=data, ts=robertson_rates.TS,
+                        rtol=1e-7, atol=1e-11, optimizer=optax.adam(0.05, b1=0.5, b2=0.9),
+                        transform=gs.transforms.Positive(), refresh_every=50)
+    res = cal.fit(theta0, steps=300, grad_tol=1e-8, progress=False)
+    assert res.engine == "general_replay"
+    for name in ("k1", "k3"):
+        rel = np.abs(np.asarray(res.theta[name]) - truth[name]) / truth[name]
+        assert np.all(rel < 0.05), (name, rel)
+
+
+def test_neural_robertson_gradient_and_training():
+    # The MLP's gradient on the recorded stiff mesh equals central differences on the
+    # same mesh for the largest-gradient weight of the first and last layers (1e-6:
+    # eps 1e-5 on weights of size ~0.3, the loss smooth in them), and 30 Adam updates
+    # lower the loss.
+    prob, to_params, loss, data, theta0 = neural_robertson.build(K=2)
+    ts = neural_robertson.TS
+    mlp = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
+    mesh = gs.record(prob, rtol=1e-7, atol=1e-11)
+
+    @eqx.filter_jit
+    def L(m):
+        ys = gs.replay(prob, mesh, params={"mlp": gs.Shared(m)}, ts=ts)
+        return loss(ys, m, data[0])
+
+    # Move off the zero-output start so every weight has a gradient.
+    mlp = eqx.tree_at(lambda m: m.layers[-1].weight, mlp, jnp.full((1, 16), 0.05))
+    g = eqx.filter_jit(eqx.filter_grad(L))(mlp)
+    for pick in (lambda m: m.layers[0].weight, lambda m: m.layers[-1].weight):
+        w, gw = pick(mlp), pick(g)
+        i = np.unravel_index(np.argmax(np.abs(gw)), gw.shape)  # the best-resolved weight
+        eps = 1e-5
+        up = L(eqx.tree_at(pick, mlp, w.at[i].add(eps)))
+        dn = L(eqx.tree_at(pick, mlp, w.at[i].add(-eps)))
+        assert rel_err(gw[i], (up - dn) / (2 * eps)) < 1e-6
+    cal = gs.Calibrator(prob, loss, to_params=to_params, data=data, ts=ts, rtol=1e-7,
+                        atol=1e-11, optimizer=optax.adam(3e-3))
+    res = cal.fit(theta0, steps=30, progress=False)
+    assert res.loss[0] < 0.5 * res.history[0, 0]
