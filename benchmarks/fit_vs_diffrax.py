@@ -10,11 +10,14 @@ settings on both sides):
    ts = (2.5, 5, 7.5, 10), `optax.adam(0.05)`, `Bounded(0.5, 1.2)`, Tsit5, rtol 1e-6,
    atol 1e-9.
 3. (optional, `--problems ...,robertson`) Robertson k1, k3 (`recipes/robertson_rates.py`):
-   K = 3, Rodas5P replay against Diffrax Kvaerno5 (Diffrax has no Rodas5P; so the
-   two sides do NOT run the same method here), rtol 1e-7, atol 1e-11.
+   K = 3, the replay engine's stiff method (Rodas5P or Rosenbrock23, reported)
+   against Diffrax Kvaerno5 (Diffrax has no Rosenbrock method, so the two sides do
+   NOT run the same method here), rtol 1e-7, atol 1e-11.
 
-Sides: `gs.Calibrator(..., engine=None)` (the router picks "general_replay": record
-once, then every update differentiates the replay of that mesh) and
+Sides: `gs.Calibrator(..., engine=None)` (the router picks a replay engine,
+"general_replay" or, for a registered field, "fused_replay" -- the engine used is
+reported; `--replay-engine NAME` forces one: record once, then every update
+differentiates the JAX replay of that mesh) and
 `gs.Calibrator(..., engine="diffrax")` (every update differentiates an adaptive
 Diffrax solve with `RecursiveCheckpointAdjoint`, default checkpoints, the
 Calibrator's default max_steps). No mesh refresh (`refresh_every=None`), no drift
@@ -25,11 +28,12 @@ untimed for N = N1 and N = N2 (the Calibrator compiles one update function per
 `steps`, as its history array is `(steps, B)`), then, `--repeats` times, alternating
 the two sides, `fit(theta0, steps=N1)` and `fit(theta0, steps=N2)` are timed. Time
 per update = (median T(N2) - median T(N1)) / (N2 - N1): the initial record, the
-optimizer init and the rest of the setup cancel. The record (`gs.record` at theta0)
-is timed apart and reported; so is the whole warm fit of N2 updates (record
-included, compile excluded), for a second ratio. Agreement: after N2 updates, the
-largest relative difference |theta_replay - theta_diffrax| / |theta_diffrax| over
-fits and parameters (the two sides differentiate slightly different meshes).
+optimizer init and the rest of the setup cancel. The record at theta0 (the replay
+engine's recorder, as `fit` calls it) is timed apart and reported; so is the whole
+warm fit of N2 updates (record included, compile excluded), for a second ratio.
+Agreement: after N2 updates, the largest relative difference |theta_replay -
+theta_diffrax| / |theta_diffrax| over fits and parameters (the two sides
+differentiate slightly different meshes).
 
 Outputs: a table on stdout, `benchmarks/results/fit_vs_diffrax.json` (raw times,
 settings, machine, versions) and the section between `<!-- fit_vs_diffrax:start -->`
@@ -107,8 +111,9 @@ PROBLEMS = {
                         "ts": robertson_rates.TS, "rtol": 1e-7, "atol": 1e-11,
                         "transform": gs.transforms.Positive()},
         "describe": "recipes/robertson_rates.py: adam(0.05, b1=0.5, b2=0.9), Positive, "
-                    "rtol 1e-7, atol 1e-11, 6 observation times; replay Rodas5P vs "
-                    "Diffrax Kvaerno5 (different methods)",
+                    "rtol 1e-7, atol 1e-11, 6 observation times; replay with the method "
+                    "the engine picks (see the table) vs Diffrax Kvaerno5 (Diffrax has "
+                    "no Rosenbrock method: the two sides do not run the same method)",
         "diffrax": _diffrax_kvaerno5, "diffrax_label": "Diffrax Kvaerno5"},
 }
 
@@ -135,13 +140,13 @@ def full_params(to_params, theta0, B, K):
 
 
 def time_record(prob, cal, params, repeats):
-    """`gs.record` at theta0 with the Calibrator's settings: first call, warm median."""
-    cfg = cal.config
+    """The record `fit` starts with (the Calibrator's engine's recorder, its settings,
+    at theta0): first call, warm median."""
+    engine = gs.engines.ENGINES[cal.engine]
 
     def once():
         t = time.perf_counter()
-        mesh = gs.record(prob, rtol=cfg.rtol, atol=cfg.atol, method=cfg.method,
-                         dt0=cfg.dt0, max_steps=cfg.max_steps, params=params)
+        mesh = engine.record(prob, cal.config, params=params)
         jax.block_until_ready(mesh.h)
         return time.perf_counter() - t, mesh
     first, mesh = once()
@@ -158,7 +163,7 @@ def theta_rel_diff(a, b):
                      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
 
 
-def measure(name, B, n1, n2, repeats):
+def measure(name, B, n1, n2, repeats, replay_engine=None):
     spec = PROBLEMS[name]
     K = spec["K"]
     t0 = time.perf_counter()
@@ -166,15 +171,18 @@ def measure(name, B, n1, n2, repeats):
     build_s = time.perf_counter() - t0
     sides = {
         "replay": gs.Calibrator(prob, loss, to_params=to_params, data=data,
-                                engine=None, refresh_every=None, **spec["cal"]()),
+                                engine=replay_engine, refresh_every=None, **spec["cal"]()),
         "diffrax": gs.Calibrator(prob, loss, to_params=to_params, data=data,
                                  engine=spec["diffrax"](), refresh_every=None,
                                  **spec["cal"]()),
     }
-    out = {"B": B, "K": K, "n": prob.n, "build_s": build_s,
-           "engines": {s: c.engine for s, c in sides.items()}}
-    if sides["replay"].engine != "general_replay":
-        raise RuntimeError(f"router chose {sides['replay'].engine!r}, not general_replay")
+    out = {"B": B, "K": K, "n": prob.n, "n1": n1, "n2": n2, "build_s": build_s,
+           "engines": {s: c.engine for s, c in sides.items()},
+           "methods": {"replay": sides["replay"].config.method,
+                       "diffrax": spec["diffrax_label"]}}
+    if not gs.engines.ENGINES[sides["replay"].engine].records:
+        raise RuntimeError(f"replay side got {sides['replay'].engine!r}, which records "
+                           "no mesh")
 
     # Compile: one untimed fit per steps value and side.
     compile_s = {}
@@ -182,7 +190,8 @@ def measure(name, B, n1, n2, repeats):
         compile_s[s] = {str(n): timed_fit(cal, theta0, n)[0] for n in (n1, n2)}
     out["first_call_s"] = compile_s
     log(f"  {name} B={B}: built in {build_s:.1f} s; first (compiling) calls "
-        + ", ".join(f"{s} {v[str(n1)]:.1f}+{v[str(n2)]:.1f} s" for s, v in compile_s.items()))
+        + ", ".join(f"{s} {v[str(n1)]:.1f}+{v[str(n2)]:.1f} s"
+                    for s, v in compile_s.items()))
 
     out["record"] = time_record(prob, sides["replay"], full_params(to_params, theta0, B, K),
                                 repeats)
@@ -228,14 +237,19 @@ def rows(results):
         for B, r in per_b.items():
             t = r["timing"]
             out.append([
-                PROBLEMS[name]["title"], str(B), str(r["n"]), str(r["record"]["columns"]),
+                PROBLEMS[name]["title"],
+                f"{r['engines']['replay']} ({r['methods']['replay']})",
+                r["methods"]["diffrax"], str(B), str(r["n"]),
+                str(r["record"]["columns"]),
                 f"{r['record']['median_s'] * 1e3:.2f}",
                 f"{t['replay']['per_update_s'] * 1e3:.3f}",
                 f"{t['diffrax']['per_update_s'] * 1e3:.3f}",
                 f"{r['speedup_per_update']:.2f}", f"{r['speedup_whole_fit_n2']:.2f}",
-                f"{r['theta_max_rel_diff']:.1e}"])
-    head = ["fit", "B", "trajectories", "mesh S", "record ms", "replay ms/update",
-            "Diffrax ms/update", "x per update", "x whole fit", "theta rel diff"]
+                f"{r['theta_max_rel_diff']:.1e}", f"{r['n1']}, {r['n2']}"])
+    head = ["fit", "replay engine (method)", "Diffrax solver", "B", "trajectories",
+            "mesh S", "record ms",
+            "replay ms/update", "Diffrax ms/update", "x per update", "x whole fit",
+            "theta rel diff", "N1, N2"]
     return head, out
 
 
@@ -264,23 +278,24 @@ def markdown(report, command, out_path):
     lines = [
         SECTION_TITLE, "",
         "The same `gs.Calibrator` loop (B concurrent Optax fits, K trajectories each) with "
-        "gradients from the replay of one recorded mesh (`engine=None`, routed to "
-        "`general_replay`) or from Diffrax (`engine=\"diffrax\"`: "
+        "gradients from the replay of one recorded mesh (`engine=None`: the router's "
+        "replay engine and method, in the table) or from Diffrax (`engine=\"diffrax\"`: "
         "`RecursiveCheckpointAdjoint` through the adaptive solve at every update, "
         "default checkpoints, max_steps "
         f"{s['max_steps']}). Same data, optimizer, transform and tolerances on both sides "
         "(the recipes' `build(B, K)`); no mesh refresh (`refresh_every=None`), no "
         "convergence test (`tol=None, grad_tol=None`), so every fit runs every update; "
         "float64, CPU.", "",
-        f"Time per update = (median T({s['n2']}) - median T({s['n1']})) / "
-        f"({s['n2']} - {s['n1']}), T(N) the wall time of a warm `fit(theta0, steps=N)`, "
-        f"median of {s['repeats']} repeats, sides alternated: compilation (one untimed "
-        "call per `steps`) is excluded, and the initial record and setup cancel. The "
-        "record (`gs.record` at theta0) is timed apart (record ms). x per update = "
-        "Diffrax / replay time per update; x whole fit = Diffrax / replay wall time of "
-        f"the warm {s['n2']}-update fit, replay's record included. theta rel diff: max "
-        f"over fits of |theta_replay - theta_Diffrax| / |theta_Diffrax| after {s['n2']} "
-        "updates (the two differentiate slightly different meshes).", "",
+        "Time per update = (median T(N2) - median T(N1)) / (N2 - N1), T(N) the wall "
+        "time of a warm `fit(theta0, steps=N)`, median of "
+        f"{s['repeats']} repeats, sides alternated: compilation (one untimed call per "
+        "`steps`) is excluded, and the initial record and setup cancel. The record "
+        "at theta0 (the replay engine's recorder, as `fit` calls it) is timed apart "
+        "(record ms). x per update = Diffrax / "
+        "replay time per update; x whole fit = Diffrax / replay wall time of the warm "
+        "N2-update fit, replay's record included. theta rel diff: max over fits of "
+        "|theta_replay - theta_Diffrax| / |theta_Diffrax| after N2 updates (the two "
+        "differentiate slightly different meshes).", "",
         md_table(*rows(report["results"])), "",
         "Fits: " + "; ".join(f"{PROBLEMS[p]['title']}: {PROBLEMS[p]['describe']}, K = "
                              f"{PROBLEMS[p]['K']}" for p in report["results"]) + ".", "",
@@ -312,9 +327,13 @@ def main(argv=None):
     ap.add_argument("--problems", default="lorenz,galactic",
                     help="lorenz,galactic[,robertson] (default lorenz,galactic)")
     ap.add_argument("--robertson-sizes", default="1,8", help="B values for robertson")
+    ap.add_argument("--robertson-n", default="5,45",
+                    help="N1,N2 for robertson (its Diffrax updates are slow; default 5,45)")
     ap.add_argument("--n1", type=int, default=None, help="short fit (default 20)")
     ap.add_argument("--n2", type=int, default=None, help="long fit (default 220)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--replay-engine", default=None,
+                    help="replay side's engine (default: None, the router's choice)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: B 1,8, n1 5, n2 25, writes nothing unless "
                          "--out/--docs are given")
@@ -343,9 +362,10 @@ def main(argv=None):
     results = {}
     for name in problems:
         bs = parse_list(args.robertson_sizes, int) if name == "robertson" else sizes
+        ns = parse_list(args.robertson_n, int) if name == "robertson" else (n1, n2)
         results[name] = {}
         for B in bs:
-            results[name][B] = measure(name, B, n1, n2, args.repeats)
+            results[name][B] = measure(name, B, *ns, args.repeats, args.replay_engine)
 
     from gradsolve.config import DEFAULT_MAX_STEPS
     report = {
@@ -356,6 +376,9 @@ def main(argv=None):
             "problems": {p: PROBLEMS[p]["describe"] + f", K = {PROBLEMS[p]['K']}"
                          for p in problems},
             "sizes": sizes, "n1": n1, "n2": n2, "repeats": args.repeats,
+            "robertson_sizes": parse_list(args.robertson_sizes, int),
+            "robertson_n1_n2": parse_list(args.robertson_n, int),
+            "replay_engine": args.replay_engine or "router (engine=None)",
             "refresh_every": None, "drift_every": None, "tol": None, "grad_tol": None,
             "max_steps": DEFAULT_MAX_STEPS,
             "diffrax_adjoint": "RecursiveCheckpointAdjoint, default checkpoints",
@@ -363,7 +386,8 @@ def main(argv=None):
             "per_update": "(median T(n2) - median T(n1)) / (n2 - n1), T(N) = warm "
                           "fit(theta0, steps=N) wall time; compile excluded (one untimed "
                           "call per steps value), record and setup cancel",
-            "record": "gs.record at theta0 with the Calibrator's settings, warm median",
+            "record": "the replay engine's record at theta0 with the Calibrator's "
+                      "settings (as fit calls it), warm median",
             "quick": args.quick},
         "machine": machine(), "versions": env, "optax": optax.__version__,
         "total_wall_s": None, "results": results,

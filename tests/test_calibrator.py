@@ -58,7 +58,7 @@ def test_lorenz_rho_fits_recover_every_rho(lorenz):
                                                     progress=False)
     rel = np.abs(np.asarray(res.theta["rho"]) - RHO_TRUE) / RHO_TRUE
     assert np.all(rel < 0.01), rel
-    assert res.converged.all() and res.engine == "general_replay"
+    assert res.converged.all() and res.engine == "fused_replay"
     assert res.history.shape == (400, B) and res.refreshes >= 1
     assert np.all(res.steps < 400)
 
@@ -184,7 +184,7 @@ def test_transforms_keep_parameters_in_range():
     (dict(refresh_every=0), "refresh_every must be None or a positive integer"),
     (dict(checkpoint_every=5), "checkpoint_every needs checkpoint_dir"),
     (dict(drift_every=5), "drift_every and drift_tol go together"),
-    (dict(recorder="fused"), "recorder must be 'general' or None"),
+    (dict(recorder="warp"), "recorder must be None, 'general' or 'fused'"),
 ])
 def test_bad_calibrator_settings_are_refused(lorenz, kw, match):
     with pytest.raises((TypeError, ValueError), match=match):

@@ -1,5 +1,5 @@
-"""The router, table-driven: which engine serves which request, and why others
-were passed over."""
+"""The router, table-driven: which engine serves which request (DESIGN.md section 4),
+and why the others were passed over."""
 
 import pytest
 
@@ -7,36 +7,69 @@ import gradsolve as gs
 from gradsolve.engines import Request
 
 
-@pytest.mark.parametrize("request_,engine,expected,passed", [
-    (Request(gradient=True, stiff=False, d=3, method="tsit5"), None, "general_replay",
-     {"fused_replay": "not built into this version"}),
-    (Request(gradient=True, stiff=False, d=200, method="tsit5"), None, "general_replay",
-     {"fused_replay": "not built into this version"}),
-    (Request(gradient=False, stiff=False, d=3, method="tsit5"), None, "diffrax",
-     {"fused": "not built into this version"}),
-    (Request(gradient=False, stiff=False, d=3, method="tsit5", fused=True), None, "diffrax",
-     {"fused": "not built into this version"}),
-    (Request(gradient=True, stiff=False, d=3, method="tsit5"), "diffrax", "diffrax", {}),
-    (Request(gradient=False, stiff=False, d=3, method="tsit5"), "general", "general", {}),
-    (Request(gradient=False, stiff=False, d=3, method="tsit5"), "general_replay",
-     "general_replay", {}),
+NOT_FUSED = "f_jax is not a registered field (no fused form)"
+
+
+def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False):
+    return Request(gradient=gradient, stiff=stiff, d=d, method=method, fused=fused,
+                   jacobian=jacobian)
+
+
+@pytest.mark.parametrize("request_,engine,expected,method,passed", [
+    # gradient, registered field with d <= 64 -> fused_replay (Tsit5 / Rosenbrock23)
+    (R(True, fused=True), None, "fused_replay", "tsit5", {}),
+    (R(True, stiff=True, fused=True, jacobian=True), None, "fused_replay", "rosenbrock23", {}),
+    # ... beyond d = 64, or a method the kernels do not run -> general_replay
+    (R(True, d=65, fused=True), None, "general_replay", "tsit5",
+     {"fused_replay": "d = 65 > 64: beyond the fused kernels' per-thread state budget "
+                      "(the router's cutoff)"}),
+    (R(True, method="vern7", fused=True), None, "general_replay", "vern7",
+     {"fused_replay": "the fused kernels run ('tsit5', 'rosenbrock23'), not 'vern7'"}),
+    (R(True, stiff=True, fused=True), None, "general_replay", "rodas5p",
+     {"fused_replay": "the field has no hand-written Jacobian for the stiff fused kernel"}),
+    # gradient, any other field -> general_replay (Rodas5P when stiff)
+    (R(True), None, "general_replay", "tsit5", {"fused_replay": NOT_FUSED}),
+    (R(True, stiff=True, d=200), None, "general_replay", "rodas5p", {"fused_replay": NOT_FUSED}),
+    # forward only: fused, else diffrax, else general
+    (R(False, fused=True), None, "fused", "tsit5", {}),
+    (R(False, stiff=True, fused=True, jacobian=True), None, "fused", "rosenbrock23", {}),
+    (R(False), None, "diffrax", "tsit5", {"fused": NOT_FUSED}),
+    (R(False, stiff=True), None, "general", "rodas5p",
+     {"fused": NOT_FUSED, "diffrax": "Diffrax has no 'rodas5p' solver"}),
+    # forced by name
+    (R(True, fused=True), "diffrax", "diffrax", "tsit5", {}),
+    (R(True, fused=True), "general_replay", "general_replay", "tsit5", {}),
+    (R(False), "general", "general", "tsit5", {}),
+    (R(False), "general_replay", "general_replay", "tsit5", {}),
 ])
-def test_route_table(request_, engine, expected, passed):
+def test_route_table(request_, engine, expected, method, passed):
     chosen, why = gs.route(request_, engine)
     assert chosen.name == expected
+    assert (request_.method or chosen.default_method(request_)) == method
     assert why == passed
 
 
-def test_forced_engine_that_cannot_serve_names_the_reason():
-    with pytest.raises(ValueError, match="'general' cannot serve this request: forward only"):
-        gs.route(Request(gradient=True, stiff=False, d=3, method="tsit5"), "general")
+@pytest.mark.parametrize("request_,engine,reason", [
+    (R(True), "general", "forward only"),
+    (R(True, fused=True), "fused", "forward only \\(gradients: 'fused_replay'\\)"),
+    (R(True), "fused_replay", "f_jax is not a registered field"),
+    (R(False, d=100, fused=True), "fused", "d = 100 > 64"),
+])
+def test_forced_engine_that_cannot_serve_names_the_reason(request_, engine, reason):
+    with pytest.raises(ValueError, match=f"'{engine}' cannot serve this request: {reason}"):
+        gs.route(request_, engine)
 
 
 def test_results_name_the_engine_that_ran():
     prob = gs.problems.lorenz(n=3)
-    assert gs.solve(prob).engine == "diffrax"
+    assert gs.solve(prob).engine == "fused"
     assert gs.solve(prob, engine="general").engine == "general"
-    sol = gs.solve(prob)
-    assert dict(sol.passed_over) == {"fused": "not built into this version"}
+    own = prob.replace(f_jax=lambda t, y, p: prob.f_jax(t, y, p))
+    sol = gs.solve(own)
+    assert sol.engine == "diffrax" and dict(sol.passed_over) == {"fused": NOT_FUSED}
     vg = gs.value_and_grad(prob, lambda ys, p: ys.sum())
+    assert vg.engine == "fused_replay" and vg.mesh.recorder == "fused"
+    vg = gs.value_and_grad(own, lambda ys, p: ys.sum())
     assert vg.engine == "general_replay" and vg.mesh.recorder == "general"
+    with pytest.raises(ValueError, match="'fused_replay' cannot serve.*not a registered"):
+        gs.value_and_grad(own, lambda ys, p: ys.sum(), fused=True)

@@ -26,14 +26,14 @@ REFERENCES = json.loads(
 @pytest.fixture(scope="module")
 def robertson():
     prob = gs.problems.robertson(n=REFERENCES["n"])
-    mesh = gs.record(prob, rtol=1e-8, atol=1e-12)
+    mesh = gs.record(prob, rtol=1e-8, atol=1e-12, method="rodas5p")
     return prob, mesh
 
 
 @pytest.fixture(scope="module")
 def hires():
     prob = gs.problems.hires(n=REFERENCES["n"])
-    mesh = gs.record(prob, rtol=1e-8, atol=1e-12)
+    mesh = gs.record(prob, rtol=1e-8, atol=1e-12, method="rodas5p")
     return prob, mesh
 
 
@@ -61,7 +61,7 @@ def test_hires_field_reaches_the_published_end_state():
                           0.2386356198831331e-2, 0.6238968252742796e-2,
                           0.2849998395185769e-2, 0.2850001604814231e-2])
     prob = gs.problems.hires(n=1, y1=(1.0, 1.0))
-    sol = gs.solve(prob, rtol=1e-10, atol=1e-14)
+    sol = gs.solve(prob, rtol=1e-10, atol=1e-14, method="rodas5p")
     assert sol.engine == "general" and sol.method == "rodas5p"
     assert rel_err(sol.ys[0], published) < 1e-6
 
@@ -110,13 +110,19 @@ def test_hires_initial_state_gradient_matches_fd_and_forward_mode(hires):
 
 
 def test_stiff_problems_take_rodas5p_on_the_general_path():
-    prob = gs.problems.robertson(n=2)
+    # A stiff field without a fused form: Rodas5P on the general path. A registered
+    # stiff field (Robertson) takes the fused engines with Rosenbrock23 instead,
+    # unless Rodas5P is asked for by name.
+    registered = gs.problems.robertson(n=2)
+    prob = registered.replace(f_jax=lambda t, y, p: registered.f_jax(t, y, p))
     vg = gs.value_and_grad(prob, lambda ys, p: ys.sum())
     assert (vg.engine, vg.mesh.method) == ("general_replay", "rodas5p")
     sol = gs.solve(prob)
     assert (sol.engine, sol.method) == ("general", "rodas5p")
     assert dict(sol.passed_over)["diffrax"] == "Diffrax has no 'rodas5p' solver"
-    assert gs.solve(prob, method="rosenbrock23").method == "rosenbrock23"
+    vg = gs.value_and_grad(registered, lambda ys, p: ys.sum())
+    assert (vg.engine, vg.mesh.method, vg.mesh.recorder) == ("fused_replay", "rosenbrock23", "fused")
+    assert gs.solve(registered, method="rodas5p").engine == "general"
 
 
 def test_rosenbrock23_refuses_a_time_dependent_field():
@@ -141,7 +147,7 @@ def test_rodas5p_interpolation_is_accurate():
     # its values at in-between times match expm to 1e-7 (the integrated extra step is
     # at the record's accuracy, 1e-8). Checked against the closed form.
     prob = gs.problems.linear_stiff(n=3, d=5)
-    mesh = gs.record(prob, rtol=1e-9, atol=1e-12)
+    mesh = gs.record(prob, rtol=1e-9, atol=1e-12, method="rodas5p")
     ts = np.linspace(0.0, 1.0, 11)
     exact = np.stack([gs.problems.linear_exact(prob, t) for t in ts], axis=1)
     assert rel_err(gs.replay(prob, mesh, ts=ts, interpolate=True), exact) < 1e-7

@@ -70,7 +70,7 @@ def test_duck_typed_problem_is_validated_too():
     (lambda p: gs.value_and_grad(p, lambda ys, q: 0.0, mode="sideways"), ValueError, "mode must be one of"),
     (lambda p: gs.value_and_grad(p, lambda ys, q: 0.0, engine="general"), ValueError,
      "engine 'general' cannot serve this request: forward only"),
-    (lambda p: gs.record(p, recorder="fast"), ValueError, "recorder must be 'general'"),
+    (lambda p: gs.record(p, recorder="fast"), ValueError, "recorder must be None, 'general' or 'fused'"),
 ])
 def test_bad_arguments_are_refused(call, error, match):
     with pytest.raises(error, match=match):

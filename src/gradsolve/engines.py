@@ -2,6 +2,8 @@
 module with `supports(request) -> reason | None`. The router (router.py) picks one.
 
 Engines in this version:
+- `fused`: a Warp kernel, one thread per trajectory, forward only (registered fields).
+- `fused_replay`: the fused (Warp) recorder, then the padded JAX replay.
 - `general_replay`: the batched JAX recorder, then the padded JAX replay.
 - `general`: the batched JAX adaptive solve, forward only.
 - `diffrax`: Diffrax under `vmap`; forward solves, and gradients as the baseline
@@ -34,8 +36,13 @@ class Request:
     gradient: bool
     stiff: bool
     d: int
-    method: str
+    method: str | None = None
     fused: bool = False
+    jacobian: bool = False
+
+
+FUSED_MAX_D = 64
+FUSED_METHODS = ("tsit5", "rosenbrock23")
 
 
 class Engine(eqx.Module):
@@ -43,6 +50,10 @@ class Engine(eqx.Module):
 
     name: ClassVar[str]
     records: ClassVar[bool]
+
+    def default_method(self, request: Request) -> str:
+        """The method this engine runs when none is asked for."""
+        return "rodas5p" if request.stiff else "tsit5"
 
     @abc.abstractmethod
     def supports(self, request: Request) -> str | None:
@@ -70,6 +81,18 @@ def _general_solve(prob, cfg: Config):
     return ys, mesh.status, mesh.n_steps, mesh.n_rejected
 
 
+def _replay_ys_function(prob, cfg):
+    method = methods.get(cfg.method)
+
+    def ys_fn(mesh, params, y0):
+        ys = _replay(prob.f_jax, method, mesh, params, y0, cfg.ts, cfg.remat,
+                     cfg.interpolate)
+        # Failed trajectories (allowed by on_failure="mask") carry no gradient.
+        ok = (mesh.status == Status.SUCCESS).reshape((-1,) + (1,) * (ys.ndim - 1))
+        return jnp.where(ok, ys, jax.lax.stop_gradient(ys))
+    return ys_fn
+
+
 class GeneralReplay(Engine):
     """Batched JAX recorder, then the padded JAX replay (any f, any d)."""
 
@@ -86,15 +109,7 @@ class GeneralReplay(Engine):
         return run_record(prob, cfg, params=params, y0=y0)[0]
 
     def ys_function(self, prob, cfg, mode):
-        method = methods.get(cfg.method)
-
-        def ys_fn(mesh, params, y0):
-            ys = _replay(prob.f_jax, method, mesh, params, y0, cfg.ts, cfg.remat,
-                         cfg.interpolate)
-            # Failed trajectories (allowed by on_failure="mask") carry no gradient.
-            ok = (mesh.status == Status.SUCCESS).reshape((-1,) + (1,) * (ys.ndim - 1))
-            return jnp.where(ok, ys, jax.lax.stop_gradient(ys))
-        return ys_fn
+        return _replay_ys_function(prob, cfg)
 
 
 class General(Engine):
@@ -139,8 +154,9 @@ class Diffrax(Engine):
     def supports(self, request):
         if importlib.util.find_spec("diffrax") is None:
             return "diffrax is not installed"
-        if self.solver is None and request.method not in _DIFFRAX_SOLVERS:
-            return f"Diffrax has no {request.method!r} solver"
+        method = request.method or self.default_method(request)
+        if self.solver is None and method not in _DIFFRAX_SOLVERS:
+            return f"Diffrax has no {method!r} solver"
         return None
 
     def _solve_fn(self, prob, cfg, adjoint, ts, throw):
@@ -200,7 +216,82 @@ class Diffrax(Engine):
         return lambda mesh, params, y0: run(params, y0)[0]
 
 
-ENGINES: dict[str, Engine] = {e.name: e for e in (GeneralReplay(), General(), Diffrax())}
+def _fused_refusal(request: Request) -> str | None:
+    """Why the fused kernels cannot run this request, or None."""
+    if not request.fused:
+        return "f_jax is not a registered field (no fused form)"
+    if request.d > FUSED_MAX_D:
+        return (f"d = {request.d} > {FUSED_MAX_D}: beyond the fused kernels' per-thread "
+                f"state budget (the router's cutoff)")
+    method = request.method or ("rosenbrock23" if request.stiff else "tsit5")
+    if method not in FUSED_METHODS:
+        return f"the fused kernels run {FUSED_METHODS}, not {method!r}"
+    if method == "rosenbrock23" and not request.jacobian:
+        return "the field has no hand-written Jacobian for the stiff fused kernel"
+    return None
+
+
+def _fused_solve(prob, cfg):
+    from .warp._fused import run_fused
+    out = run_fused(prob, cfg)
+    ys = out["y"] if out["ys"] is None else out["ys"]
+    return (jnp.asarray(ys), jnp.asarray(out["status"]), jnp.asarray(out["n_acc"]),
+            jnp.asarray(out["n_rej"]))
+
+
+class Fused(Engine):
+    """The fused Warp kernel: one thread per trajectory, the whole adaptive loop
+    (Tsit5, or Rosenbrock23 for stiff fields) in one launch; forward only."""
+
+    name: ClassVar[str] = "fused"
+    records: ClassVar[bool] = False
+
+    def default_method(self, request):
+        return "rosenbrock23" if request.stiff else "tsit5"
+
+    def supports(self, request):
+        if request.gradient:
+            return "forward only (gradients: 'fused_replay')"
+        return _fused_refusal(request)
+
+    def solve(self, prob, cfg):
+        return _fused_solve(prob, cfg)
+
+    def ys_function(self, prob, cfg, mode):
+        raise ValueError("engine 'fused' is forward only")
+
+
+class FusedReplay(Engine):
+    """The fused Warp recorder, then the padded JAX replay of its mesh."""
+
+    name: ClassVar[str] = "fused_replay"
+    records: ClassVar[bool] = True
+
+    def default_method(self, request):
+        return "rosenbrock23" if request.stiff else "tsit5"
+
+    def supports(self, request):
+        return _fused_refusal(request)
+
+    def solve(self, prob, cfg):
+        return _fused_solve(prob, cfg)
+
+    def record(self, prob, cfg, params=None, y0=None):
+        from .mesh import Mesh
+        from .warp._fused import run_fused
+        out = run_fused(prob, cfg, record=True, params=params, y0=y0)
+        dtype = out["h"].dtype
+        return Mesh(h=jnp.asarray(out["h"]), n_steps=jnp.asarray(out["n_acc"]),
+                    n_rejected=jnp.asarray(out["n_rej"]), status=jnp.asarray(out["status"]),
+                    t0=jnp.asarray(prob.t_span[0], dtype), t1=jnp.asarray(prob.t_span[1], dtype),
+                    method=cfg.method, rtol=cfg.rtol, atol=cfg.atol, recorder="fused")
+
+    def ys_function(self, prob, cfg, mode):
+        return _replay_ys_function(prob, cfg)
+
+
+ENGINES: dict[str, Engine] = {e.name: e for e in (
+    Fused(), FusedReplay(), GeneralReplay(), General(), Diffrax())}
 
 
 def engine_names() -> tuple[str, ...]:

@@ -15,11 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .engines import Request
+from .config import DEFAULT_MAX_STEPS
 from .mesh import Mesh
 from .problem import _is_shared, as_problem
-from .config import DEFAULT_MAX_STEPS, make_config
-from .router import route
+from .router import plan
 from .status import TrajectoryFailure, summarize
 
 
@@ -119,24 +118,19 @@ class ValueAndGrad:
         passed_over: engines the router did not choose, with reasons.
     """
 
-    def __init__(self, prob, loss, *, wrt, mode, cfg, engine, mesh, on_failure, fused):
+    def __init__(self, prob, loss, *, wrt, mode, engine, passed, cfg, mesh, on_failure):
         self.problem = prob
         self.loss = loss
         self.wrt, self.mode, self.on_failure = wrt, mode, on_failure
         self.config = cfg
-        request = Request(gradient=True, stiff=prob.stiff, d=prob.d, method=cfg.method,
-                          fused=bool(prob.fused if fused is None else fused))
-        self._engine, passed = route(request, engine)
-        self.engine = self._engine.name
+        self._engine = engine
+        self.engine = engine.name
         self.passed_over = tuple(passed.items())
         ys_function = self._engine.ys_function(prob, cfg, mode)
         self._call = eqx.filter_jit(functools.partial(_value_and_grad, ys_function, loss,
                                                       wrt, mode))
-        if mesh is not None:
-            self.mesh = self._check_mesh(mesh)
-        else:
-            self.mesh = self._engine.record(prob, cfg)
-            self._check_status()
+        self.mesh = self._check_mesh(mesh) if mesh is not None else self._engine.record(prob, cfg)
+        self._check_status()
 
     def _check_mesh(self, mesh):
         if not isinstance(mesh, Mesh):
@@ -195,7 +189,8 @@ def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=
             methods, for stiff ones from 16 variables on).
         interpolate: serve `ts` from the continuous extension (Rodas5P) instead.
         mesh: differentiate on this mesh instead of recording one.
-        fused: ask for the fused form of the field (no fused engine in this version).
+        fused: True forces the fused recorder (`fused_replay`); an error says why if
+            the field has no fused form.
         on_failure: `"raise"` if a trajectory failed to record, or `"mask"` to
             differentiate the others (failed ones contribute no gradient).
 
@@ -208,8 +203,8 @@ def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=
         >>> loss = lambda ys, p: jnp.sum(ys[:, 0] ** 2)
         >>> vg = gs.value_and_grad(prob, loss, wrt="params")
         >>> value, grads = vg()
-        >>> vg.engine, grads["rho"].shape
-        ('general_replay', (8,))
+        >>> vg.engine, vg.mesh.recorder, grads["rho"].shape
+        ('fused_replay', 'fused', (8,))
     """
     prob = as_problem(prob)
     if not callable(loss):
@@ -218,7 +213,12 @@ def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=
                                  ("on_failure", on_failure, ON_FAILURE)):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    cfg = make_config(prob, rtol=rtol, atol=atol, method=method, dt0=dt0,
-                      max_steps=max_steps, ts=ts, remat=remat, interpolate=interpolate)
-    return ValueAndGrad(prob, loss, wrt=wrt, mode=mode, cfg=cfg, engine=engine, mesh=mesh,
-                        on_failure=on_failure, fused=fused)
+    if fused and engine is None:
+        engine = "fused_replay"
+    if mesh is not None and method is None:
+        method = getattr(mesh, "method", None)
+    chosen, passed, cfg = plan(prob, gradient=True, engine=engine, method=method, rtol=rtol,
+                               atol=atol, dt0=dt0, max_steps=max_steps, ts=ts, remat=remat,
+                               interpolate=interpolate)
+    return ValueAndGrad(prob, loss, wrt=wrt, mode=mode, engine=chosen, passed=passed,
+                        cfg=cfg, mesh=mesh, on_failure=on_failure)

@@ -32,7 +32,7 @@ class Mesh(eqx.Module):
         >>> prob = gs.problems.lorenz(n=4)
         >>> mesh = gs.record(prob, rtol=1e-6, atol=1e-9)
         >>> mesh.h.shape[0], mesh.recorder, bool((mesh.h.sum(axis=1) > 0.99).all())
-        (4, 'general', True)
+        (4, 'fused', True)
     """
 
     h: jax.Array

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import control, methods
-from .config import DEFAULT_MAX_STEPS, Config, make_config
+from .config import DEFAULT_MAX_STEPS, Config
 from .mesh import Mesh
 from .problem import as_problem, param_axes, unwrap_shared
 from .status import Status
@@ -151,7 +151,9 @@ def record(prob, *, rtol=1e-6, atol=1e-9, method=None, dt0=None,
         dt0: first step; `None` selects it per trajectory by Hairer & Wanner's rule.
         max_steps: cap on attempted (accepted + rejected) steps per trajectory; a
             trajectory that reaches it gets `Status.MAX_STEPS`.
-        recorder: `"general"` (default; the batched JAX recorder).
+        recorder: None (the router: the fused recorder for a registered field with
+            d <= 64, else the general one), `"general"` (the batched JAX recorder) or
+            `"fused"` (the Warp recorder).
         params, y0: record at these instead of the problem's own.
 
     Returns:
@@ -160,14 +162,17 @@ def record(prob, *, rtol=1e-6, atol=1e-9, method=None, dt0=None,
     Examples:
         >>> import gradsolve as gs
         >>> mesh = gs.record(gs.problems.lorenz(n=3), rtol=1e-6, atol=1e-9, dt0=0.01)
-        >>> mesh.h.shape[0], mesh.method, mesh.ok
-        (3, 'tsit5', True)
+        >>> mesh.h.shape[0], mesh.method, mesh.recorder, mesh.ok
+        (3, 'tsit5', 'fused', True)
     """
+    from .router import plan
     prob = as_problem(prob)
-    cfg = make_config(prob, rtol=rtol, atol=atol, method=method, dt0=dt0,
-                      max_steps=max_steps)
-    if recorder not in (None, "general"):
-        raise ValueError(f"recorder must be 'general' (the only recorder in this "
-                         f"version) or None, got {recorder!r}")
-    mesh, _ = run_record(prob, cfg, params=params, y0=y0)
-    return mesh
+    engine = RECORDERS.get(recorder, KeyError) if recorder is not None else None
+    if engine is KeyError:
+        raise ValueError(f"recorder must be None, 'general' or 'fused', got {recorder!r}")
+    chosen, _, cfg = plan(prob, gradient=True, engine=engine, method=method, rtol=rtol,
+                          atol=atol, dt0=dt0, max_steps=max_steps)
+    return chosen.record(prob, cfg, params=params, y0=y0)
+
+
+RECORDERS = {"general": "general_replay", "fused": "fused_replay"}

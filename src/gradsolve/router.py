@@ -8,7 +8,9 @@ passed over with that reason.
 """
 
 from . import methods
+from .config import make_config
 from .engines import ENGINES, Engine, Request
+from .fields._warp import fused_field
 
 
 GRADIENT_ORDER = ("fused_replay", "general_replay")
@@ -31,9 +33,12 @@ def route(request: Request, engine=None) -> tuple[Engine, dict[str, str]]:
         >>> from gradsolve.engines import Request
         >>> eng, why = gs.route(Request(gradient=True, stiff=False, d=3, method="tsit5"))
         >>> eng.name, why["fused_replay"]
-        ('general_replay', 'not built into this version')
+        ('general_replay', 'f_jax is not a registered field (no fused form)')
+        >>> gs.route(Request(gradient=True, stiff=False, d=3, fused=True))[0].name
+        'fused_replay'
     """
-    methods.get(request.method)
+    if request.method is not None:
+        methods.get(request.method)
     if engine is not None:
         if isinstance(engine, str):
             if engine not in ENGINES:
@@ -58,3 +63,20 @@ def route(request: Request, engine=None) -> tuple[Engine, dict[str, str]]:
             return candidate, passed
         passed[name] = reason
     raise ValueError(f"no engine can serve this request: {passed}")
+
+
+def request_for(prob, *, gradient: bool, method=None) -> Request:
+    """The router's view of a problem: stiffness, dimension, whether its field has a
+    fused form (and a hand-written Jacobian)."""
+    field = fused_field(prob.f_jax)
+    return Request(gradient=gradient, stiff=prob.stiff, d=prob.d, method=method,
+                   fused=field is not None, jacobian=bool(field is not None and field.stiff))
+
+
+def plan(prob, *, gradient: bool, engine=None, method=None, **settings):
+    """Route, resolve the method (the engine's default when none is given) and
+    validate the settings: `(engine, passed_over, config)`."""
+    request = request_for(prob, gradient=gradient, method=method)
+    chosen, passed = route(request, engine)
+    method = chosen.default_method(request) if method is None else method
+    return chosen, passed, make_config(prob, method=method, **settings)

@@ -5,10 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import DEFAULT_MAX_STEPS, make_config
-from .engines import Request
+from .config import DEFAULT_MAX_STEPS
 from .problem import EnsembleProblem, as_problem
-from .router import route
+from .router import plan
 from .status import Status, TrajectoryFailure, summarize
 
 
@@ -81,16 +80,14 @@ def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtyp
         >>> import gradsolve as gs
         >>> sol = gs.solve(gs.problems.lorenz(n=4), rtol=1e-8, atol=1e-10)
         >>> sol.ys.shape, sol.engine, sol.ok
-        ((4, 3), 'diffrax', True)
+        ((4, 3), 'fused', True)
         >>> gs.solve(gs.problems.lorenz(n=4), engine="general").engine
         'general'
     """
     prob = cast_problem(as_problem(prob), dtype)
-    cfg = make_config(prob, rtol=rtol, atol=atol, method=method, dt0=dt0,
-                      max_steps=max_steps, ts=ts, interpolate=interpolate)
-    request = Request(gradient=False, stiff=prob.stiff, d=prob.d, method=cfg.method,
-                      fused=prob.fused)
-    eng, passed = route(request, engine)
+    eng, passed, cfg = plan(prob, gradient=False, engine=engine, method=method, rtol=rtol,
+                            atol=atol, dt0=dt0, max_steps=max_steps, ts=ts,
+                            interpolate=interpolate)
     ys, status, n_acc, n_rej = eng.solve(prob, cfg)
     return Solution(ys=ys, status=status, n_accepted=n_acc, n_rejected=n_rej,
                     engine=eng.name, method=cfg.method, passed_over=tuple(passed.items()))

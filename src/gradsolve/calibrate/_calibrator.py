@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..config import DEFAULT_MAX_STEPS, make_config
-from ..engines import Request
+from ..config import DEFAULT_MAX_STEPS
 from ..problem import Shared, as_problem
-from ..router import route
+from ..record import RECORDERS
+from ..router import plan
 from ..status import Status
 from . import _transforms
 from ._checkpoint import Checkpoints
@@ -90,7 +90,8 @@ class Calibrator:
         rtol, atol, method, ts, max_steps, dt0: the record's and replay's settings.
         engine: None (router), or an engine name; `"diffrax"` runs the same loop on
             Diffrax gradients (no mesh) -- the fitting benchmark's baseline.
-        recorder: `"general"` or None (router).
+        recorder: None (router), `"general"` or `"fused"`: which recorder refreshes the
+            mesh (the engine then follows: `general_replay` or `fused_replay`).
         refresh_every: re-record the mesh at the current parameters every this many
             updates (None: never).
         drift_every, drift_tol: every `drift_every` updates, record afresh and compare
@@ -132,17 +133,17 @@ class Calibrator:
                 raise ValueError(f"{name} must be None or a positive integer, got {v!r}")
         if (drift_every is None) != (drift_tol is None):
             raise ValueError("drift_every and drift_tol go together")
-        if recorder not in (None, "general"):
-            raise ValueError(f"recorder must be 'general' or None, got {recorder!r}")
+        if recorder not in (None, "general", "fused"):
+            raise ValueError(f"recorder must be None, 'general' or 'fused', got {recorder!r}")
+        if recorder is not None and engine is None:
+            engine = RECORDERS[recorder]
         if checkpoint_every is not None and checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir")
         self.loss, self.to_params, self.data = loss, to_params, data
         self.optimizer, self.transform = optimizer, transform
-        self.config = make_config(self.problem, rtol=rtol, atol=atol, method=method,
-                                  dt0=dt0, max_steps=max_steps, ts=ts)
-        request = Request(gradient=True, stiff=self.problem.stiff, d=self.problem.d,
-                          method=self.config.method, fused=self.problem.fused)
-        self._engine, self.passed_over = route(request, engine)
+        self._engine, self.passed_over, self.config = plan(
+            self.problem, gradient=True, engine=engine, method=method, rtol=rtol, atol=atol,
+            dt0=dt0, max_steps=max_steps, ts=ts)
         self.engine = self._engine.name
         self.refresh_every, self.drift_every, self.drift_tol = (
             refresh_every, drift_every, drift_tol)
@@ -230,7 +231,7 @@ class Calibrator:
         if arrays is None:
             return None
         return Mesh(**arrays, method=self.config.method, rtol=self.config.rtol,
-                    atol=self.config.atol, recorder="general")
+                    atol=self.config.atol, recorder=self._engine.name.replace("_replay", ""))
 
     def _drift(self, mesh, fresh, u, static, K):
         theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")

@@ -1,0 +1,82 @@
+"""Warp at run time: one import, the device, generated modules, split launches.
+
+Everything that touches `warp` directly lives here and in `_fused.py`; the rest of
+gradsolve never imports it, so Warp loads (and its ~4 s first compile happens) only
+when a fused engine runs.
+"""
+
+import concurrent.futures
+import functools
+import hashlib
+import importlib.util
+import os
+import pathlib
+import sys
+
+
+@functools.cache
+def warp():
+    """The `warp` module, initialised quietly (no banner, no per-module timings, no
+    warning about a missing CUDA driver on a CPU-only machine)."""
+    import warp as wp
+
+    wp.config.log_level = wp.LOG_ERROR
+    wp.init()
+    return wp
+
+
+@functools.cache
+def device() -> str:
+    """`"cuda"` when Warp sees a GPU, else `"cpu"`."""
+    return "cuda" if warp().get_cuda_device_count() > 0 else "cpu"
+
+
+def cache_dir() -> pathlib.Path:
+    root = os.environ.get("GRADSOLVE_KERNEL_CACHE")
+    path = pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "gradsolve" / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@functools.cache
+def load(source: str):
+    """Import generated kernel source as a module named by its hash.
+
+    Warp refuses kernels defined by a bare `exec`; a real file works, and naming the
+    module by the source's hash keys Warp's own cache on the text.
+    """
+    name = "gradsolve_kernel_" + hashlib.sha256(source.encode()).hexdigest()[:20]
+    path = cache_dir() / f"{name}.py"
+    if not path.exists() or path.read_text() != source:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        tmp.replace(path)  # atomic: a concurrent reader sees the old or the new file
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    warp().load_module(module, device=device())
+    return module
+
+
+def slices(n: int, parts: int):
+    """`parts` contiguous, nearly equal `(start, stop)` ranges covering `range(n)`."""
+    parts = max(1, min(parts, n))
+    bounds = [round(k * n / parts) for k in range(parts + 1)]
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def run_split(fn, n: int):
+    """Call `fn(start, stop)` over slices of the ensemble: on the CPU one slice per
+    core on a thread pool (a Warp CPU launch is single-threaded and releases the GIL),
+    on a GPU one launch over everything."""
+    if device() != "cpu":
+        fn(0, n)
+        return
+    parts = slices(n, os.cpu_count() or 1)
+    if len(parts) == 1:
+        fn(*parts[0])
+        return
+    with concurrent.futures.ThreadPoolExecutor(len(parts)) as pool:
+        for future in [pool.submit(fn, a, b) for a, b in parts]:
+            future.result()
