@@ -30,7 +30,7 @@ def build(B=8, K=4, noise=0.005, seed=1):
     y0 = np.asarray(base.y0) + rng.normal(scale=0.05, size=(n, 6))
     params = {"q": jnp.repeat(q_true, K), "v_c": jnp.ones(n), "r_c": jnp.full(n, 0.1)}
     prob = base.replace(y0=jnp.asarray(y0), params=params)
-    clean = gs.solve(prob, rtol=1e-10, atol=1e-12, ts=TS, engine="general").ys[..., :3]
+    clean = gs.solve(prob, rtol=1e-10, atol=1e-12, ts=TS).raise_for_status().ys[..., :3]
     data = (clean + noise * rng.normal(size=clean.shape)).reshape(B, K, len(TS), 3)
 
     def to_params(theta):

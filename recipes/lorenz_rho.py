@@ -26,7 +26,7 @@ def build(B=8, K=4, noise=0.01, seed=0):
     params = {"sigma": jnp.full(B * K, 10.0), "rho": jnp.repeat(rho_true, K),
               "beta": jnp.full(B * K, 8.0 / 3.0)}
     prob = gs.problems.lorenz(n=B * K).replace(y0=jnp.asarray(y0), params=params)
-    clean = gs.solve(prob, rtol=1e-10, atol=1e-12).ys
+    clean = gs.solve(prob, rtol=1e-10, atol=1e-12).raise_for_status().ys
     data = (clean + noise * rng.normal(size=clean.shape)).reshape(B, K, 3)
 
     def to_params(theta):

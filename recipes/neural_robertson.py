@@ -52,7 +52,7 @@ def build(K=4, seed=3):
     y0 = jnp.asarray(np.stack([a, np.zeros(K), 1.0 - a], axis=1))
     truth = gs.EnsembleProblem(f_jax=true_f, y0=y0, params=None, t_span=(0.0, 100.0),
                                stiff=True, name="robertson_true")
-    data = (gs.solve(truth, rtol=1e-10, atol=1e-14, ts=TS).ys * SCALE)[None]
+    data = (gs.solve(truth, rtol=1e-10, atol=1e-14, ts=TS).raise_for_status().ys * SCALE)[None]
     theta0 = eqx.filter_vmap(make_mlp)(jax.random.split(jax.random.key(seed), 1))
     prob = gs.EnsembleProblem(f_jax=model_f, y0=y0,
                               params={"mlp": gs.Shared(make_mlp(jax.random.key(seed)))},

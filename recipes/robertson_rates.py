@@ -36,7 +36,7 @@ def build(B=4, K=3, noise=1e-3, seed=2):
     y0 = np.tile(np.stack([a, np.zeros(K), 1.0 - a], axis=1), (B, 1))
     params = {"k1": jnp.repeat(k1, K), "k2": jnp.full(n, 3e7), "k3": jnp.repeat(k3, K)}
     prob = gs.problems.robertson(n=n).replace(y0=jnp.asarray(y0), params=params)
-    clean = gs.solve(prob, rtol=1e-10, atol=1e-14, ts=TS).ys * SCALE
+    clean = gs.solve(prob, rtol=1e-10, atol=1e-14, ts=TS, method="rodas5p").raise_for_status().ys * SCALE
     data = (clean * (1 + noise * rng.normal(size=clean.shape))).reshape(B, K, len(TS), 3)
 
     def to_params(theta):

@@ -1,0 +1,103 @@
+"""The fused Warp engines on the cpu device, against the general (JAX) engines:
+the same controller, the same first step, so the same accepted steps."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gradsolve as gs
+from helpers import rel_err, tree_rel_err
+
+
+# (builder, kwargs, rtol, atol): the stiff fields run Rosenbrock23 at loose tolerances
+# (it is second order: tight ones take thousands of steps).
+FIELDS = [
+    ("lorenz", {}, 1e-7, 1e-10),
+    ("van_der_pol", {}, 1e-7, 1e-10),
+    ("lorenz96", {"d": 8}, 1e-7, 1e-10),
+    ("linear", {"d": 5}, 1e-7, 1e-10),
+    ("robertson", {}, 1e-5, 1e-10),
+    ("hires", {}, 1e-5, 1e-10),
+    ("linear_stiff", {"d": 6}, 1e-5, 1e-10),
+]
+
+
+def _problem(name, kw, n=6):
+    return getattr(gs.problems, name)(n=n, **kw)
+
+
+@pytest.mark.parametrize("name,kw,rtol,atol", FIELDS)
+def test_fused_solve_equals_general_float64(name, kw, rtol, atol):
+    # Same steps (counts equal); the states differ only by roundoff carried through
+    # the solve, far below 1e-10 relative.
+    prob = _problem(name, kw)
+    ts = np.linspace(*prob.t_span, 4)
+    fused = gs.solve(prob, rtol=rtol, atol=atol, ts=ts)
+    general = gs.solve(prob, rtol=rtol, atol=atol, ts=ts, engine="general",
+                       method=fused.method)
+    assert fused.engine == "fused" and fused.ok and general.ok
+    np.testing.assert_array_equal(fused.n_accepted, general.n_accepted)
+    np.testing.assert_array_equal(fused.n_rejected, general.n_rejected)
+    assert rel_err(fused.ys, general.ys) < 1e-10
+
+
+@pytest.mark.parametrize("name,kw,rtol,atol", FIELDS)
+def test_fused_solve_equals_general_float32(name, kw, rtol, atol):
+    # float32 on both sides at rtol 1e-5: float32 roundoff (1e-7) in the error
+    # estimate can shift steps, so the two agree to the solve's accuracy, 1e-4.
+    prob = _problem(name, kw)
+    fused = gs.solve(prob, rtol=1e-5, atol=1e-8, dtype=jnp.float32)
+    general = gs.solve(prob, rtol=1e-5, atol=1e-8, dtype=jnp.float32, engine="general",
+                       method=fused.method)
+    assert fused.ys.dtype == jnp.float32 and fused.ok and general.ok
+    assert rel_err(fused.ys, general.ys) < 1e-4
+
+
+@pytest.mark.parametrize("name,kw,rtol,atol", FIELDS)
+def test_fused_recorder_records_the_general_mesh(name, kw, rtol, atol):
+    # Accepted steps equal for every trajectory; step sizes agree to roundoff
+    # amplified by the error estimate at the first tiny steps (measured <= 3e-7;
+    # they reconverge because the controller is deadbeat in h).
+    prob = _problem(name, kw)
+    fused = gs.record(prob, rtol=rtol, atol=atol, recorder="fused")
+    general = gs.record(prob, rtol=rtol, atol=atol, recorder="general", method=fused.method)
+    assert (fused.recorder, general.recorder) == ("fused", "general")
+    np.testing.assert_array_equal(fused.n_steps, general.n_steps)
+    np.testing.assert_array_equal(fused.n_rejected, general.n_rejected)
+    h_f, h_g = np.asarray(fused.h), np.asarray(general.h)
+    assert np.max(np.abs(h_f - h_g) / np.maximum(np.abs(h_g), 1e-300)) < 1e-6
+
+
+@pytest.mark.parametrize("name,kw,rtol,atol", [FIELDS[0], FIELDS[3], FIELDS[4]])
+def test_fused_replay_gradient_equals_general_replay(name, kw, rtol, atol):
+    prob = _problem(name, kw)
+    loss = lambda ys, p: jnp.sum(ys ** 2)
+    fused = gs.value_and_grad(prob, loss, wrt="both", rtol=rtol, atol=atol)
+    general = gs.value_and_grad(prob, loss, wrt="both", rtol=rtol, atol=atol,
+                                engine="general_replay", method=fused.mesh.method)
+    assert fused.engine == "fused_replay"
+    (v_f, g_f), (v_g, g_g) = fused(), general()
+    assert rel_err(v_f, v_g) < 1e-10
+    assert tree_rel_err(g_f, g_g) < 1e-10
+
+
+def test_chunks_and_threads_do_not_change_results(monkeypatch):
+    from gradsolve.warp import _fused, _runtime
+    prob = gs.problems.lorenz(n=13)
+    whole = gs.record(prob, recorder="fused")
+    monkeypatch.setattr(_fused, "MEMORY_BUDGET", 5 * 200)  # a few trajectories a chunk
+    chunked = gs.record(prob, recorder="fused")
+    np.testing.assert_array_equal(whole.h, chunked.h)
+    assert _runtime.slices(13, 2) == [(0, 6), (6, 13)] or _runtime.slices(13, 2) == [(0, 7), (7, 13)]
+
+
+def test_fused_failures_are_reported():
+    prob = gs.problems.van_der_pol(n=4, mu=(0.1, 25.0), t_span=(0.0, 10.0))
+    sol = gs.solve(prob, max_steps=60)
+    assert sol.engine == "fused"
+    status = np.asarray(sol.status)
+    assert np.all((status == gs.Status.SUCCESS) | (status == gs.Status.MAX_STEPS))
+    assert (status == gs.Status.MAX_STEPS).any() and not sol.ok
+    with pytest.raises(gs.TrajectoryFailure, match="maximum number of steps"):
+        sol.raise_for_status()
