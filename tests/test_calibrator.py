@@ -210,3 +210,37 @@ def test_drift_check_reports_and_refreshes(lorenz):
     assert sorted(eager.drift) == sorted(lazy.drift) == [10, 20]
     assert eager.refreshes == 2 and lazy.refreshes == 0
     assert all(0 < v < 0.1 for v in lazy.drift.values())
+
+
+_DECAY_FIT = """
+import sys
+import jax
+jax.config.update("jax_enable_x64", sys.argv[2] == "x64")
+import jax.numpy as jnp, optax, gradsolve as gs
+prob = gs.EnsembleProblem(f_jax=lambda t, y, k: -k * y, y0=jnp.ones((2, 1)),
+                          params=jnp.ones(2), t_span=(0.0, 1.0))
+cal = gs.Calibrator(prob, lambda ys, k, d: jnp.sum((ys - d) ** 2),
+                    data=jnp.full((2, 1, 1), 0.5), optimizer=optax.adam(0.1),
+                    checkpoint_dir=sys.argv[1], checkpoint_every=2)
+try:
+    cal.fit(jnp.ones(2), steps=4, progress=False)
+except ValueError as e:
+    print("REFUSED:", e)
+"""
+
+
+def test_float64_checkpoint_is_refused_without_x64(tmp_path):
+    # Orbax would silently cast float64 state to float32 in a process without x64;
+    # the metadata records x64 and resuming there is a clear error instead.
+    import subprocess
+    import sys
+    script = tmp_path / "fit.py"
+    script.write_text(_DECAY_FIT)
+    ckpt = str(tmp_path / "ckpt")
+    run = lambda mode: subprocess.run([sys.executable, str(script), ckpt, mode],
+                                      capture_output=True, text=True, timeout=300)
+    first = run("x64")
+    assert first.returncode == 0 and "REFUSED" not in first.stdout, first.stderr
+    second = run("x32")
+    assert "REFUSED: the checkpoint holds float64 state but jax_enable_x64 is off" in \
+        second.stdout, second.stdout + second.stderr
