@@ -2,6 +2,7 @@
 non-finite fits, checkpoints that resume bit for bit and survive damage."""
 
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,29 +12,20 @@ import pytest
 
 import gradsolve as gs
 
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "recipes"))
+import lorenz_rho  # noqa: E402
+
 
 B, K = 8, 4
 RHO_TRUE = jnp.linspace(12.0, 18.0, B)
 
 
-def lorenz_fit(noise=0.01, seed=0):
+def lorenz_fit():
     """B fits of rho, each from K trajectories with their own initial states and
-    noisy final-state observations (noise 0.01 on states of size ~10)."""
-    rng = np.random.default_rng(seed)
-    y0 = np.tile([1.0, 0.0, 0.0], (B * K, 1)) + rng.normal(scale=0.5, size=(B * K, 3))
-    params = {"sigma": jnp.full(B * K, 10.0), "rho": jnp.repeat(RHO_TRUE, K),
-              "beta": jnp.full(B * K, 8.0 / 3.0)}
-    prob = gs.problems.lorenz(n=B * K).replace(y0=jnp.asarray(y0), params=params)
-    clean = gs.solve(prob, rtol=1e-10, atol=1e-12).ys
-    data = (clean + noise * rng.normal(size=clean.shape)).reshape(B, K, 3)
-
-    def to_params(theta):
-        return {"sigma": jnp.full(K, 10.0), "rho": jnp.full(K, theta["rho"]),
-                "beta": jnp.full(K, 8.0 / 3.0)}
-
-    def loss(ys, theta, obs):
-        return jnp.mean((ys - obs) ** 2)
-
+    noisy final-state observations (noise 0.01 on states of size ~10): the
+    `recipes/lorenz_rho.py` setup."""
+    prob, to_params, loss, data, _, truth = lorenz_rho.build(B, K)
+    np.testing.assert_array_equal(truth["rho"], RHO_TRUE)
     return prob, to_params, loss, data
 
 
