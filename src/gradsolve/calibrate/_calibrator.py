@@ -184,6 +184,8 @@ class Calibrator:
         return eqx.filter_vmap(self.loss, in_axes=axes)(ys_b, theta, data)
 
     def _update_impl(self, state: FitState, static, mesh, data, tol, grad_tol, cap):
+        # `cap` is traced and `history` is written outside: the compiled update
+        # depends on B and the mesh width only, not on the number of steps.
         K = self.problem.n // state.active.shape[0]
 
         def total(u):
@@ -211,7 +213,6 @@ class Calibrator:
         return state._replace(
             u=u, opt_state=opt_state, active=state.active & move & (steps < cap),
             status=status, steps=steps, loss=losses, grad_norm=grad_norm,
-            history=state.history.at[state.update].set(losses),
             update=state.update + 1, key=jax.random.split(state.key)[0])
 
     # -- records --------------------------------------------------------------------
@@ -280,13 +281,16 @@ class Calibrator:
         data = self.data
         tol_a = None if tol is None else float(tol)
         gtol = None if grad_tol is None else float(grad_tol)
+        cap = jnp.asarray(int(steps), jnp.int32)
         bar = _progress(progress, int(steps), int(state.update))
         try:
             while int(state.update) < steps and bool(jnp.any(state.active)):
                 state = self._maybe_refresh(state, static, K)
-                state = self._update(state, static, self._mesh(state.mesh), data, tol_a,
-                                     gtol, int(steps))
                 done = int(state.update)
+                state = self._update(state, static, self._mesh(state.mesh), data, tol_a,
+                                     gtol, cap)
+                state = state._replace(history=state.history.at[done].set(state.loss))
+                done += 1
                 if bar is not None:
                     bar.update(1)
                     loss = np.asarray(state.loss)
