@@ -38,6 +38,7 @@ Options: `--sizes`, `--record-sizes`, `--dims`, `--dim-n`, `--spread-n`,
 `--max-call-s`, `--repeats`, `--out PATH`, `--docs PATH` (`''` skips writing).
 """
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -53,6 +54,8 @@ _WARP_CACHE = tempfile.mkdtemp(prefix="fused_forward_warp_")
 _GS_CACHE = tempfile.mkdtemp(prefix="fused_forward_gs_")
 warp.config.kernel_cache_dir = _WARP_CACHE
 os.environ["GRADSOLVE_KERNEL_CACHE"] = _GS_CACHE
+atexit.register(shutil.rmtree, _WARP_CACHE, ignore_errors=True)
+atexit.register(shutil.rmtree, _GS_CACHE, ignore_errors=True)
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
@@ -423,6 +426,17 @@ def verdicts(report):
             txt += (f"; Warp compile {min(c for _, c in comps):.1f}-"
                     f"{max(c for _, c in comps):.1f} s")
         out["dimension"] = txt
+    diffs = {n: r["checks"]["fused_vs_general_max_abs_diff"] for n, r in sizes.items()
+             if "fused_vs_general_max_abs_diff" in r["checks"]}
+    if diffs:
+        unequal = [f"{k} at 2^{int(np.log2(n))}" for n, r in sizes.items()
+                   for k, same in r["checks"]["same_accepted_steps"].items() if not same]
+        out["agreement"] = (
+            "final states, fused vs general: max abs difference "
+            + ", ".join(f"2^{int(np.log2(n))}: {d:.1e}" for n, d in diffs.items())
+            + "; accepted step counts equal to general's for every engine"
+            + (f" except {', '.join(unequal)} (a near-tie accept/reject decision on some "
+               "trajectory)" if unequal else ""))
     sp = report["spread"]
     if sp:
         s = sp["accepted_steps"]
@@ -434,28 +448,29 @@ def verdicts(report):
 
 
 def cutoff_note(dims):
-    """What the d sweep says about the router's d <= 64 cutoff."""
+    """What the d sweep says about the router's d <= 64 cutoff (warm run time)."""
     if not dims:
         return ""
     x = {d: r["general_over_fused"] for d, r in dims.items()}
     ds = sorted(x)
-    last_win = max((d for d in ds if x[d] > 1), default=None)
-    first_loss = min((d for d in ds if x[d] <= 1), default=None)
-    if last_win is None:
-        return ("On this machine the general engine's warm run beats the fused kernel at "
-                "every d measured, so the d <= 64 cutoff is not what decides; the fused "
-                "engine's advantage here is at most its smaller fixed overhead.")
-    if first_loss is None or first_loss > last_win:
-        where = (f"the fused kernel wins at every d measured up to {ds[-1]}"
-                 if first_loss is None else
-                 f"the fused kernel wins up to d = {last_win} and loses from d = {first_loss}")
-        tail = (" A cutoff at 64 is consistent with that" if first_loss is None or
-                first_loss > FUSED_MAX_D else
-                f" A cutoff at 64 routes d = {first_loss}..64 to the slower engine")
-        return f"On this machine {where}.{tail} (warm run time only; Warp's compile is extra)."
-    return (f"On this machine the winner changes with d without a clean threshold "
-            f"(general / fused: {', '.join(f'd={d}: {x[d]:.2f}' for d in ds)}); the run-time "
-            f"data alone do not pin the cutoff at 64.")
+    listing = ", ".join(f"d={d}: {x[d]:.2f}" for d in ds)
+    # the smallest d from which the fused kernel is slower at every larger d measured
+    behind = next((d for d in ds if all(x[e] <= 1 for e in ds if e >= d)), None)
+    if behind is None:
+        return (f"On this machine the fused kernel's warm run is at least as fast as the "
+                f"general engine's up to d = {ds[-1]} (general / fused: {listing}): a cutoff "
+                f"at {FUSED_MAX_D} does not send fused anything it loses on.")
+    text = (f"On this machine (general / fused: {listing}) the fused kernel's warm run "
+            f"falls behind the general engine for good from d = {behind}")
+    if behind <= FUSED_MAX_D:
+        text += (f", so the d <= {FUSED_MAX_D} cutoff routes d = {behind}..{FUSED_MAX_D} to "
+                 f"the slower engine on this CPU (general is {1 / x[max(d for d in ds if d <= FUSED_MAX_D)]:.1f}x "
+                 f"faster at d = {max(d for d in ds if d <= FUSED_MAX_D)}); a CPU cutoff near "
+                 f"d = {max([d for d in ds if d < behind] or [behind])} would fit these numbers "
+                 "(the cutoff may still suit a GPU, not measured here)")
+    else:
+        text += f", beyond the d <= {FUSED_MAX_D} cutoff, which these numbers support"
+    return text + ". Warp's compile time (one-off, cached on disk) comes on top of the fused runs."
 
 
 def markdown(report, command, out):
@@ -531,13 +546,26 @@ def markdown(report, command, out):
         + f"); {report['date']}. The machine was shared with other work (1-minute load "
         f"average {load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end, on "
         f"{m['cpu_count']} CPUs), so timings are noisy and the thread-pool gain in "
-        "particular is understated: read single ratios loosely.", "",
+        "particular may be understated: read single ratios loosely.", "",
         f"Reproduce: `{command}`" + (f" (raw numbers: `{display_path(out)}`)." if out else "."),
     ]
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------ main
+
+def render(json_path, docs):
+    """Rewrite the docs section (and the report's verdicts) from a saved report (JSON
+    turns int keys to str)."""
+    report = json.loads(Path(json_path).read_text())
+    for key in ("sizes", "recorders", "dimensions"):
+        report[key] = {int(k): v for k, v in report[key].items()}
+    report["verdicts"] = verdicts(report)
+    Path(json_path).write_text(json.dumps(report, indent=1) + "\n")   # refreshed verdicts
+    write_docs(Path(docs), markdown(report, report["command"], json_path), START, END)
+    log(f"wrote {docs}")
+    return report
+
 
 def parse_list(text, kind):
     return [kind(x) for x in text.split(",") if x.strip()]
@@ -557,12 +585,16 @@ def main(argv=None):
                     help="skip an engine's larger sizes once one call takes longer (20)")
     ap.add_argument("--repeats", type=int, default=None,
                     help="timed repeats (default 5 up to 2^14, 3 at 2^16, 2 at 2^18, 1 above)")
+    ap.add_argument("--render", default=None, metavar="JSON",
+                    help="only rewrite the Markdown section from a saved JSON report")
     ap.add_argument("--quick", action="store_true",
                     help="smoke test with small n; writes nothing unless --out/--docs")
     ap.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_OUT})")
     ap.add_argument("--docs", default=None, help=f"Markdown path (default {DEFAULT_DOCS})")
     args = ap.parse_args(argv)
 
+    if args.render:
+        return render(args.render, args.docs if args.docs is not None else str(DEFAULT_DOCS))
     q = args.quick
     sizes = parse_list(args.sizes, int) if args.sizes else (
         [2 ** 8, 2 ** 10, 2 ** 12] if q else [2 ** k for k in (10, 12, 14, 16, 18, 20)])
@@ -591,18 +623,14 @@ def main(argv=None):
     t_start = time.perf_counter()
     log(f"fused_forward: Warp device {_runtime.device()}, {os.cpu_count()} CPUs, load "
         f"{load_start[0]:.1f}; Warp cache {_WARP_CACHE}")
-    try:
-        log(f"1. Lorenz sizes {sizes}")
-        res_sizes = lorenz_sizes(sizes, repeats_for, args.max_call_s, solve_dfx)
-        log(f"2. recorders at {record_sizes}")
-        res_rec = recorders(record_sizes, repeats_for)
-        log(f"3. state dimension {dims} at n={dim_n}")
-        res_dims = dimensions(dims, dim_n, 3 if q else 5)
-        log(f"4. spread ensemble at n={spread_n}")
-        res_spread = spread(spread_n, repeats_for(spread_n)) if spread_n else None
-    finally:
-        shutil.rmtree(_WARP_CACHE, ignore_errors=True)
-        shutil.rmtree(_GS_CACHE, ignore_errors=True)
+    log(f"1. Lorenz sizes {sizes}")
+    res_sizes = lorenz_sizes(sizes, repeats_for, args.max_call_s, solve_dfx)
+    log(f"2. recorders at {record_sizes}")
+    res_rec = recorders(record_sizes, repeats_for)
+    log(f"3. state dimension {dims} at n={dim_n}")
+    res_dims = dimensions(dims, dim_n, 3 if q else 5)
+    log(f"4. spread ensemble at n={spread_n}")
+    res_spread = spread(spread_n, repeats_for(spread_n)) if spread_n else None
 
     report = {
         "benchmark": "fused_forward",

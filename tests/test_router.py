@@ -19,10 +19,10 @@ def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False):
     # gradient, registered field with d <= 64 -> fused_replay (Tsit5 / Rosenbrock23)
     (R(True, fused=True), None, "fused_replay", "tsit5", {}),
     (R(True, stiff=True, fused=True, jacobian=True), None, "fused_replay", "rosenbrock23", {}),
-    # ... beyond d = 64, or a method the kernels do not run -> general_replay
-    (R(True, d=65, fused=True), None, "general_replay", "tsit5",
-     {"fused_replay": "d = 65 > 64: beyond the fused kernels' per-thread state budget "
-                      "(the router's cutoff)"}),
+    # ... beyond the cutoff (8 on the cpu device), or a method the kernels do not run
+    (R(True, d=8, fused=True), None, "fused_replay", "tsit5", {}),
+    (R(True, d=9, fused=True), None, "general_replay", "tsit5",
+     {"fused_replay": "d = 9 > 8: past the fused kernels' cutoff on the cpu device"}),
     (R(True, method="vern7", fused=True), None, "general_replay", "vern7",
      {"fused_replay": "the fused kernels run ('tsit5', 'rosenbrock23'), not 'vern7'"}),
     (R(True, stiff=True, fused=True), None, "general_replay", "rodas5p",
@@ -53,7 +53,7 @@ def test_route_table(request_, engine, expected, method, passed):
     (R(True), "general", "forward only"),
     (R(True, fused=True), "fused", "forward only \\(gradients: 'fused_replay'\\)"),
     (R(True), "fused_replay", "f_jax is not a registered field"),
-    (R(False, d=100, fused=True), "fused", "d = 100 > 64"),
+    (R(False, d=100, fused=True), "fused", "d = 100 > 8: past the fused kernels' cutoff"),
 ])
 def test_forced_engine_that_cannot_serve_names_the_reason(request_, engine, reason):
     with pytest.raises(ValueError, match=f"'{engine}' cannot serve this request: {reason}"):

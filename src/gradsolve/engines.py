@@ -41,7 +41,11 @@ class Request:
     jacobian: bool = False
 
 
-FUSED_MAX_D = 64
+# The router's state-dimension cutoff for the fused kernels, per Warp device. On a GPU
+# the limit is the per-thread register file (the design's 64 keeps far inside it); on
+# this project's 2-core CPU the fused kernel stops beating the batched JAX engine
+# between d = 8 and d = 16 (benchmarks/fused_forward.py, docs/benchmarks.md).
+FUSED_MAX_D = {"cuda": 64, "cpu": 8}
 FUSED_METHODS = ("tsit5", "rosenbrock23")
 
 
@@ -131,6 +135,7 @@ class General(Engine):
 
 
 _DIFFRAX_SOLVERS = {"tsit5": "Tsit5"}
+_DIFFRAX_SOLVES: dict = {}
 
 
 class Diffrax(Engine):
@@ -195,8 +200,14 @@ class Diffrax(Engine):
     def solve(self, prob, cfg):
         import diffrax
 
-        run = eqx.filter_jit(self._solve_fn(prob, cfg, diffrax.RecursiveCheckpointAdjoint(),
-                                            cfg.ts, throw=False))
+        key = (prob.f_jax, prob.t_span, id(self.solver), cfg.method, cfg.rtol, cfg.atol,
+               cfg.max_steps, None if cfg.ts is None else cfg.ts.tobytes(),
+               None if cfg.dt0 is None else np.asarray(cfg.dt0).tobytes())
+        run = _DIFFRAX_SOLVES.get(key)
+        if run is None:  # compile once per problem and settings, not once per call
+            run = eqx.filter_jit(self._solve_fn(
+                prob, cfg, diffrax.RecursiveCheckpointAdjoint(), cfg.ts, throw=False))
+            _DIFFRAX_SOLVES[key] = run
         ys, result, stats = run(prob.params, prob.y0)
         status = jnp.where(result == diffrax.RESULTS.successful, Status.SUCCESS,
                            jnp.where(result == diffrax.RESULTS.max_steps_reached,
@@ -220,9 +231,11 @@ def _fused_refusal(request: Request) -> str | None:
     """Why the fused kernels cannot run this request, or None."""
     if not request.fused:
         return "f_jax is not a registered field (no fused form)"
-    if request.d > FUSED_MAX_D:
-        return (f"d = {request.d} > {FUSED_MAX_D}: beyond the fused kernels' per-thread "
-                f"state budget (the router's cutoff)")
+    from .warp._runtime import device
+    limit = FUSED_MAX_D[device()]
+    if request.d > limit:
+        return (f"d = {request.d} > {limit}: past the fused kernels' cutoff on the "
+                f"{device()} device")
     method = request.method or ("rosenbrock23" if request.stiff else "tsit5")
     if method not in FUSED_METHODS:
         return f"the fused kernels run {FUSED_METHODS}, not {method!r}"

@@ -77,6 +77,12 @@ def run_split(fn, n: int):
     if len(parts) == 1:
         fn(*parts[0])
         return
-    with concurrent.futures.ThreadPoolExecutor(len(parts)) as pool:
-        for future in [pool.submit(fn, a, b) for a, b in parts]:
-            future.result()
+    for future in [_pool().submit(fn, a, b) for a, b in parts]:
+        future.result()
+
+
+@functools.cache
+def _pool():
+    """One pool for the process: creating threads per launch cost ~ms on small n."""
+    return concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1,
+                                                 thread_name_prefix="gradsolve-warp")
