@@ -19,3 +19,18 @@ def write_docs(path, section, start, end):
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def save(report, out, docs, markdown, start, end, log=print):
+    """Write the JSON `report` to `out` and the Markdown section `markdown()` between
+    `start` and `end` in `docs` (each only when its path is given)."""
+    import json
+
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        log(f"wrote {path}")
+    if docs:
+        write_docs(Path(docs), markdown(), start, end)
+        log(f"wrote {docs}")

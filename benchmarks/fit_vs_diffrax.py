@@ -55,7 +55,6 @@ jax.config.update("jax_enable_x64", True)
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -67,7 +66,7 @@ import gradsolve as gs  # noqa: E402
 # Shared helpers (benchmarks/ is on sys.path when run as a script). Import these
 # BEFORE the recipes: both folders have a `_common` module, and the recipes only use
 # theirs in `main()`, which is never called here.
-from _common import write_docs  # noqa: E402
+from _common import save  # noqa: E402
 from grad_vs_diffrax import (display_path, log, machine, md_table,  # noqa: E402
                              text_table, versions)
 
@@ -396,17 +395,10 @@ def main(argv=None):
     report["total_wall_s"] = time.perf_counter() - t_start
 
     head, body = rows(results)
-    log(f"\nTime per optimizer update (x = Diffrax / replay)\n" + text_table(head, body))
+    log("\nTime per optimizer update (x = Diffrax / replay)\n" + text_table(head, body))
     log("\nTargets:\n" + "\n".join(f"- {t['text']}" for t in report["verdicts"].values()))
     log(f"\ntotal {report['total_wall_s']:.0f} s")
-    if out:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1) + "\n")
-        log(f"wrote {path}")
-    if docs:
-        write_docs(Path(docs), markdown(report, command, out), START, END)
-        log(f"wrote {docs}")
+    save(report, out, docs, lambda: markdown(report, command, out), START, END, log)
     return report
 
 

@@ -75,7 +75,7 @@ from gradsolve.config import make_config  # noqa: E402
 from gradsolve.engines import ENGINES, FUSED_MAX_D  # noqa: E402
 from gradsolve.warp import _fused, _runtime  # noqa: E402
 
-from _common import write_docs  # noqa: E402
+from _common import save, write_docs  # noqa: E402
 from grad_vs_diffrax import (display_path, log, machine, md_table, text_table,  # noqa: E402
                              timeit_warm, versions)
 
@@ -669,14 +669,7 @@ def main(argv=None):
     log("\nTargets and findings:\n" + "\n".join(f"- {t}" for t in report["verdicts"].values()))
     log(f"\ntotal {report['total_wall_s']:.0f} s")
 
-    if out:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1) + "\n")
-        log(f"wrote {path}")
-    if docs:
-        write_docs(Path(docs), markdown(report, command, out), START, END)
-        log(f"wrote {docs}")
+    save(report, out, docs, lambda: markdown(report, command, out), START, END, log)
     return report
 
 

@@ -46,7 +46,6 @@ jax.config.update("jax_enable_x64", True)
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
@@ -60,7 +59,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import gradsolve as gs  # noqa: E402
-from _common import write_docs  # noqa: E402
+from _common import save  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -539,14 +538,7 @@ def main(argv=None):
     log("\nTargets:\n" + "\n".join(f"- {t['text']}" for t in report["verdicts"].values()))
     log(f"\ntotal {report['total_wall_s']:.0f} s")
 
-    if out:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1) + "\n")
-        log(f"wrote {path}")
-    if docs:
-        write_docs(Path(docs), markdown(report, command, out), START, END)
-        log(f"wrote {docs}")
+    save(report, out, docs, lambda: markdown(report, command, out), START, END, log)
     return report
 
 

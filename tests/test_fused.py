@@ -1,7 +1,6 @@
 """The fused Warp engines on the cpu device, against the general (JAX) engines:
 the same controller, the same first step, so the same accepted steps."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

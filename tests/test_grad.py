@@ -2,7 +2,6 @@
 RecursiveCheckpointAdjoint on the same steps, forward mode, and central finite
 differences of the replay on the same mesh."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -1,7 +1,6 @@
 """The general recorder against Diffrax: same accepted and rejected steps."""
 
 import diffrax
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

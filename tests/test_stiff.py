@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import gradsolve as gs
-from gradsolve.problem import trajectory_params, unwrap_shared
 from helpers import rel_err, tree_rel_err
 
 
