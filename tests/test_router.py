@@ -10,9 +10,9 @@ from gradsolve.engines import Request
 NOT_FUSED = "f_jax is not a registered field (no fused form)"
 
 
-def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False):
+def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False, rtol=None):
     return Request(gradient=gradient, stiff=stiff, d=d, method=method, fused=fused,
-                   jacobian=jacobian)
+                   jacobian=jacobian, rtol=rtol)
 
 
 @pytest.mark.parametrize("request_,engine,expected,method,passed", [
@@ -27,6 +27,15 @@ def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False):
      {"fused_replay": "the fused kernels run ('tsit5', 'rosenbrock23'), not 'vern7'"}),
     (R(True, stiff=True, fused=True), None, "general_replay", "rodas5p",
      {"fused_replay": "the field has no hand-written Jacobian for the stiff fused kernel"}),
+    # ... or a tight tolerance for a stiff field: second-order Rosenbrock23 would crawl
+    (R(True, stiff=True, fused=True, jacobian=True, rtol=1e-6), None, "fused_replay",
+     "rosenbrock23", {}),
+    (R(True, stiff=True, fused=True, jacobian=True, rtol=1e-8), None, "general_replay",
+     "rodas5p", {"fused_replay": "the fused stiff method, second-order Rosenbrock23, needs "
+                                 "too many steps at rtol < 1e-06: the general path's "
+                                 "Rodas5P serves it"}),
+    (R(True, stiff=True, fused=True, jacobian=True, rtol=1e-8, method="rosenbrock23"),
+     None, "fused_replay", "rosenbrock23", {}),
     # gradient, any other field -> general_replay (Rodas5P when stiff)
     (R(True), None, "general_replay", "tsit5", {"fused_replay": NOT_FUSED}),
     (R(True, stiff=True, d=200), None, "general_replay", "rodas5p", {"fused_replay": NOT_FUSED}),

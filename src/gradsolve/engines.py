@@ -39,6 +39,7 @@ class Request:
     method: str | None = None
     fused: bool = False
     jacobian: bool = False
+    rtol: float | None = None
 
 
 # The router's state-dimension cutoff for the fused kernels, per Warp device. On a GPU
@@ -47,6 +48,9 @@ class Request:
 # between d = 8 and d = 16 (benchmarks/fused_forward.py, docs/benchmarks.md).
 FUSED_MAX_D = {"cuda": 64, "cpu": 8}
 FUSED_METHODS = ("tsit5", "rosenbrock23")
+# Below this rtol a stiff request without a named method leaves the fused path: at
+# rtol 1e-10 Rosenbrock23 ran past 4096 steps on Robertson where Rodas5P took ~100.
+ROSENBROCK23_MIN_RTOL = 1e-6
 
 
 class Engine(eqx.Module):
@@ -203,11 +207,13 @@ class Diffrax(Engine):
         key = (prob.f_jax, prob.t_span, id(self.solver), cfg.method, cfg.rtol, cfg.atol,
                cfg.max_steps, None if cfg.ts is None else cfg.ts.tobytes(),
                None if cfg.dt0 is None else np.asarray(cfg.dt0).tobytes())
-        run = _DIFFRAX_SOLVES.get(key)
+        run = _DIFFRAX_SOLVES.pop(key, None)
         if run is None:  # compile once per problem and settings, not once per call
             run = eqx.filter_jit(self._solve_fn(
                 prob, cfg, diffrax.RecursiveCheckpointAdjoint(), cfg.ts, throw=False))
-            _DIFFRAX_SOLVES[key] = run
+        _DIFFRAX_SOLVES[key] = run  # most recent last; keep the newest few
+        while len(_DIFFRAX_SOLVES) > 16:
+            _DIFFRAX_SOLVES.pop(next(iter(_DIFFRAX_SOLVES)))
         ys, result, stats = run(prob.params, prob.y0)
         status = jnp.where(result == diffrax.RESULTS.successful, Status.SUCCESS,
                            jnp.where(result == diffrax.RESULTS.max_steps_reached,
@@ -236,6 +242,10 @@ def _fused_refusal(request: Request) -> str | None:
     if request.d > limit:
         return (f"d = {request.d} > {limit}: past the fused kernels' cutoff on the "
                 f"{device()} device")
+    if request.method is None and request.stiff and request.rtol is not None \
+            and request.rtol < ROSENBROCK23_MIN_RTOL:
+        return (f"the fused stiff method, second-order Rosenbrock23, needs too many steps "
+                f"at rtol < {ROSENBROCK23_MIN_RTOL:g}: the general path's Rodas5P serves it")
     method = request.method or ("rosenbrock23" if request.stiff else "tsit5")
     if method not in FUSED_METHODS:
         return f"the fused kernels run {FUSED_METHODS}, not {method!r}"

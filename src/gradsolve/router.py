@@ -65,18 +65,19 @@ def route(request: Request, engine=None) -> tuple[Engine, dict[str, str]]:
     raise ValueError(f"no engine can serve this request: {passed}")
 
 
-def request_for(prob, *, gradient: bool, method=None) -> Request:
+def request_for(prob, *, gradient: bool, method=None, rtol=None) -> Request:
     """The router's view of a problem: stiffness, dimension, whether its field has a
-    fused form (and a hand-written Jacobian)."""
+    fused form (and a hand-written Jacobian), the tolerance asked for."""
     field = fused_field(prob.f_jax)
     return Request(gradient=gradient, stiff=prob.stiff, d=prob.d, method=method,
-                   fused=field is not None, jacobian=bool(field is not None and field.stiff))
+                   fused=field is not None, jacobian=bool(field is not None and field.stiff),
+                   rtol=rtol)
 
 
 def plan(prob, *, gradient: bool, engine=None, method=None, **settings):
     """Route, resolve the method (the engine's default when none is given) and
     validate the settings: `(engine, passed_over, config)`."""
-    request = request_for(prob, gradient=gradient, method=method)
+    request = request_for(prob, gradient=gradient, method=method, rtol=settings.get("rtol"))
     chosen, passed = route(request, engine)
     method = chosen.default_method(request) if method is None else method
     return chosen, passed, make_config(prob, method=method, **settings)
