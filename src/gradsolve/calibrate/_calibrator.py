@@ -282,11 +282,11 @@ class Calibrator:
         tol_a = None if tol is None else float(tol)
         gtol = None if grad_tol is None else float(grad_tol)
         cap = jnp.asarray(int(steps), jnp.int32)
-        bar = _progress(progress, int(steps), int(state.update))
+        done = int(state.update)  # counted on the host from here on
+        bar = _progress(progress, int(steps), done)
         try:
-            while int(state.update) < steps and bool(jnp.any(state.active)):
-                state = self._maybe_refresh(state, static, K)
-                done = int(state.update)
+            while done < steps and bool(jnp.any(state.active)):
+                state = self._maybe_refresh(state, static, K, done)
                 state = self._update(state, static, self._mesh(state.mesh), data, tol_a,
                                      gtol, cap)
                 state = state._replace(history=state.history.at[done].set(state.loss))
@@ -349,8 +349,7 @@ class Calibrator:
             key=jax.random.key_data(jax.random.key(0)) if key is None else jax.random.key_data(key),
             mesh=_mesh_arrays(mesh))
 
-    def _maybe_refresh(self, state, static, K):
-        done = int(state.update)
+    def _maybe_refresh(self, state, static, K, done):
         if state.mesh is None or done == 0:
             return state
         due = self.refresh_every is not None and done % self.refresh_every == 0
