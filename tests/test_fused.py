@@ -55,11 +55,12 @@ def test_fused_solve_equals_general_float32(name, kw, rtol, atol):
 
 @pytest.mark.parametrize("name,kw,rtol,atol", FIELDS)
 def test_fused_recorder_records_the_general_mesh(name, kw, rtol, atol):
-    # Accepted and rejected steps equal for every trajectory. Step sizes agree to
-    # 1e-6 of the span: XLA contracts the stage sums into FMAs and Warp's CPU code does
-    # not, and the error estimate amplifies that last-bit difference (measured at
-    # n = 32: <= 5.8e-7 of the span on `linear`, 1e-7 on Lorenz, 1e-11 on the stiff
-    # fields). The issue's 1e-8 is not met; see docs/engines.md.
+    # Accepted and rejected steps equal for every trajectory. Step sizes: the typical
+    # step agrees to 1e-8 relative (measured median <= 8e-10 on every field); the worst
+    # step to 1e-7 of the span (measured <= 2.7e-8, on `linear`). Not bit for bit: XLA
+    # and Warp's LLVM contract different multiply-adds into FMAs, and where the first
+    # steps' error estimate sits near its roundoff floor the controller amplifies that
+    # last-bit difference (docs/engines.md, "How close the two recorders are").
     prob = _problem(name, kw)
     fused = gs.record(prob, rtol=rtol, atol=atol, recorder="fused")
     general = gs.record(prob, rtol=rtol, atol=atol, recorder="general", method=fused.method)
@@ -67,7 +68,10 @@ def test_fused_recorder_records_the_general_mesh(name, kw, rtol, atol):
     np.testing.assert_array_equal(fused.n_steps, general.n_steps)
     np.testing.assert_array_equal(fused.n_rejected, general.n_rejected)
     h_f, h_g = np.asarray(fused.h), np.asarray(general.h)
-    assert np.max(np.abs(h_f - h_g)) < 1e-6 * (prob.t_span[1] - prob.t_span[0])
+    taken = h_g > 0
+    np.testing.assert_array_equal(h_f > 0, taken)
+    assert np.median(np.abs(h_f - h_g)[taken] / h_g[taken]) < 1e-8
+    assert np.max(np.abs(h_f - h_g)) < 1e-7 * (prob.t_span[1] - prob.t_span[0])
 
 
 @pytest.mark.parametrize("name,kw,rtol,atol", [FIELDS[0], FIELDS[3], FIELDS[4]])

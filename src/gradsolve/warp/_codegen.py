@@ -10,6 +10,13 @@ point, as the JAX replay does), and -- when recording -- each accepted step size
 
 Loops are kept dynamic (`max_unroll = 0`): unrolled Gauss--Jordan elimination at
 d = 8 does not finish compiling in reasonable time.
+
+Roundoff is kept close to the JAX steps' on the CPU: XLA's CPU backend always
+contracts a multiply feeding an add into one FMA, so the kernels are compiled with
+`-ffp-contract=fast` (Warp's default keeps them apart), and each stage increment is
+written in the form XLA leaves it in (`_increment`). Where the arithmetic still
+differs in the last bit, the step-size controller can amplify it (see
+docs/engines.md, "How close the two recorders are").
 """
 
 import numpy as np
@@ -29,15 +36,23 @@ def _combo(weights, names):
     return " + ".join(terms) if terms else "V()"
 
 
+def _increment(weights, names):
+    """`h * (sum_j w_j k_j)`, or `(h * w) * k` for one term: as `methods._erk._combine`."""
+    nonzero = [(w, k) for w, k in zip(weights, names) if w != 0]
+    if len(nonzero) == 1:
+        return f"(h * {_lit(nonzero[0][0])}) * {nonzero[0][1]}"
+    return f"h * ({_combo(weights, names)})"
+
+
 def _header(d: int, bits: int) -> str:
     return f'''import warp as wp
 
-wp.set_module_options({{"max_unroll": 0, "enable_backward": False}})
+wp.set_module_options({{"max_unroll": 0, "enable_backward": False,
+                       "cpu_compiler_flags": "-march=native -ffp-contract=fast"}})
 
 T = wp.float{bits}
 V = wp.types.vector(length={d}, dtype=T)
 M = wp.types.matrix(shape=({d}, {d}), dtype=T)
-R = wp.types.matrix(shape=(3, {d}), dtype=T)
 D = {d}
 '''
 
@@ -69,12 +84,14 @@ def error_ratio(y: V, y_new: V, err: V, rtol: T, atol: T) -> T:
 def step_factor(ratio: T, accept: int) -> T:
     # control.propose: integral control, factor clipped to [1, MAX] after an accepted
     # step and to [MIN, SAFETY] after a rejected one.
-    factor = {safety} * wp.pow(T(1.0) / ratio, {inv_order})
     lo = T(1.0)
     hi = {factor_max}
     if accept == 0:
         lo = {factor_min}
         hi = {safety}
+    elif ratio >= {ratio_no_growth}:
+        return lo  # the factor would be below 1: skip exp and log, a fifth of the run
+    factor = {safety} * wp.exp(wp.log(ratio) * (-{inv_order}))
     return wp.min(wp.max(factor, lo), hi)
 
 
@@ -92,34 +109,29 @@ def _erk_steps(method: ExplicitRungeKutta) -> str:
     s = tab.stages
     lines = ["", "", "@wp.func",
              "def trial(t: T, y: V, f0: V, h: T, p: wp.array2d(dtype=T), "
-             "s: wp.array(dtype=T), i: int) -> R:",
+             "s: wp.array(dtype=T), i: int):",
              "    k0 = f0"]
     names = ["k0"]
     for i in range(1, s):
-        arg = _combo(tab.a_lower[i - 1], names)
-        lines.append(f"    k{i} = field(t + {_lit(tab.c[i - 1])} * h, y + h * ({arg}), p, s, i)")
+        arg = _increment(tab.a_lower[i - 1], names)
+        lines.append(f"    k{i} = field(t + {_lit(tab.c[i - 1])} * h, y + {arg}, p, s, i)")
         names.append(f"k{i}")
-    lines.append(f"    y_new = y + h * ({_combo(tab.b, names)})")
+    lines.append(f"    y_new = y + {_increment(tab.b, names)}")
     # As methods._erk.error_estimate: sum_{j>0} w_j (k_j - k_0), no cancellation.
     diffs = [f"({k} - k0)" for k in names[1:]]
     lines.append(f"    err = h * ({_combo(tab.b_error[1:], diffs)})")
     f_new = f"k{s - 1}" if tab.fsal else "field(t + h, y_new, p, s, i)"
     lines.append(f"    f_new = {f_new}")
-    lines.append("    out = R()")
-    lines.append("    for k in range(D):")
-    lines.append("        out[0, k] = y_new[k]")
-    lines.append("        out[1, k] = err[k]")
-    lines.append("        out[2, k] = f_new[k]")
-    lines.append("    return out")
+    lines.append("    return y_new, err, f_new")
     n_plain = int(np.flatnonzero(tab.b)[-1]) + 1
     lines += ["", "", "@wp.func",
               "def plain(t: T, y: V, h: T, p: wp.array2d(dtype=T), s: wp.array(dtype=T), "
               "i: int) -> V:",
               "    k0 = field(t, y, p, s, i)"]
     for i in range(1, n_plain):
-        arg = _combo(tab.a_lower[i - 1], names[:i])
-        lines.append(f"    k{i} = field(t + {_lit(tab.c[i - 1])} * h, y + h * ({arg}), p, s, i)")
-    lines.append(f"    return y + h * ({_combo(tab.b[:n_plain], names[:n_plain])})")
+        arg = _increment(tab.a_lower[i - 1], names[:i])
+        lines.append(f"    k{i} = field(t + {_lit(tab.c[i - 1])} * h, y + {arg}, p, s, i)")
+    lines.append(f"    return y + {_increment(tab.b[:n_plain], names[:n_plain])}")
     return "\n".join(lines) + "\n"
 
 
@@ -171,7 +183,7 @@ def w_inverse(t: T, y: V, h: T, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i:
 
 @wp.func
 def trial(t: T, y: V, f0: V, h: T, p: wp.array2d(dtype=T), s: wp.array(dtype=T),
-          i: int) -> R:
+          i: int):
     Wi = w_inverse(t, y, h, p, s, i)
     k1 = Wi * f0
     f1 = field(t + T(0.5) * h, y + (T(0.5) * h) * k1, p, s, i)
@@ -180,12 +192,7 @@ def trial(t: T, y: V, f0: V, h: T, p: wp.array2d(dtype=T), s: wp.array(dtype=T),
     f2 = field(t + h, y_new, p, s, i)
     k3 = Wi * (f2 - {e32} * (k2 - f1) - T(2.0) * (k1 - f0))
     err = (h / T(6.0)) * (k1 - T(2.0) * k2 + k3)
-    out = R()
-    for k in range(D):
-        out[0, k] = y_new[k]
-        out[1, k] = err[k]
-        out[2, k] = f2[k]
-    return out
+    return y_new, err, f2
 
 
 @wp.func
@@ -200,14 +207,6 @@ def plain(t: T, y: V, h: T, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int
 
 
 _KERNEL = '''
-
-@wp.func
-def row(m: R, r: int) -> V:
-    out = V()
-    for k in range(D):
-        out[k] = m[r, k]
-    return out
-
 
 @wp.kernel
 def solve(y0: wp.array2d(dtype=T), p: wp.array2d(dtype=T), s: wp.array(dtype=T),
@@ -229,9 +228,8 @@ def solve(y0: wp.array2d(dtype=T), p: wp.array2d(dtype=T), s: wp.array(dtype=T),
     j = int(0)
     while t < t1:
         h = t_next - t
-        out = trial(t, y, f0, h, p, s, i)
-        y_new = row(out, 0)
-        ratio = error_ratio(y, y_new, row(out, 1), rtol, atol)
+        y_new, err, f_new = trial(t, y, f0, h, p, s, i)
+        ratio = error_ratio(y, y_new, err, rtol, atol)
         accept = int(0)
         if ratio < T(1.0):
             accept = 1
@@ -250,7 +248,7 @@ def solve(y0: wp.array2d(dtype=T), p: wp.array2d(dtype=T), s: wp.array(dtype=T),
             if finite(y_new) == 0:
                 code = int({nonfinite})
             y = y_new
-            f0 = row(out, 2)
+            f0 = f_new
             t_new = t_next
         else:
             rej = rej + 1
@@ -294,7 +292,8 @@ def kernel_source(method, field_source: str, d: int, bits: int) -> str:
     common = _COMMON.format(d_float=_lit(d), safety=_lit(control.SAFETY),
                             factor_min=_lit(control.FACTOR_MIN),
                             factor_max=_lit(control.FACTOR_MAX),
-                            inv_order=_lit(1.0 / method.error_order))
+                            inv_order=_lit(1.0 / method.error_order),
+                            ratio_no_growth=_lit(1.001 * control.SAFETY ** method.error_order))
     kernel = _KERNEL.format(success=int(Status.SUCCESS), nonfinite=int(Status.NONFINITE),
                             underflow=int(Status.DT_UNDERFLOW),
                             max_steps_code=int(Status.MAX_STEPS))
