@@ -17,12 +17,9 @@ from ._tableau import ButcherTableau
 
 
 def _combine(h, weights, fs):
-    """`h * sum_j w_j f_j` over the nonzero weights; one term is `(h * w) * f`."""
+    """`h * sum_j w_j f_j` over the nonzero weights."""
     w = jnp.asarray(weights, fs[0].dtype)
-    terms = [j for j in range(len(fs)) if weights[j] != 0]
-    if len(terms) == 1:
-        return (h * w[terms[0]]) * fs[terms[0]]
-    return h * sum(w[j] * fs[j] for j in terms)
+    return h * sum(w[j] * fs[j] for j in range(len(fs)) if weights[j] != 0)
 
 
 def error_estimate(h, weights, fs):

@@ -17,13 +17,20 @@ from . import _codegen, _runtime
 
 
 MEMORY_BUDGET = 1 << 30
+CPU_LANES = 2
+
+
+def lanes() -> int:
+    """Trajectories per thread: `CPU_LANES` on the CPU, one on a GPU (whose threads
+    already run side by side)."""
+    return CPU_LANES if _runtime.device() == "cpu" else 1
 
 
 def kernel_for(prob, method, dtype):
     """The compiled `solve` kernel for this problem's field, method and dtype."""
     field = fused_field(prob.f_jax)
     bits = 64 if np.dtype(dtype) == np.float64 else 32
-    source = _codegen.kernel_source(method, field.source(prob.d), prob.d, bits)
+    source = _codegen.kernel_source(method, field.source(prob.d), prob.d, bits, lanes())
     return _runtime.load(source).solve
 
 
@@ -68,10 +75,10 @@ def run_fused(prob, cfg, *, record=False, params=None, y0=None):
                "n_acc": wp.zeros(m, dtype=wp.int32, device=dev),
                "n_rej": wp.zeros(m, dtype=wp.int32, device=dev),
                "status": wp.zeros(m, dtype=wp.int32, device=dev)}
-        wp.launch(kernel, dim=m, device=dev, inputs=[
+        wp.launch(kernel, dim=-(-m // lanes()), device=dev, inputs=[
             arr(host["y0"][a:b]), arr(host["p"][a:b]), arr(shared), arr(host["t_first"][a:b]),
             arr(ts), n_ts, T(scalars["t0"]), T(scalars["t1"]), T(scalars["floor"]),
-            T(scalars["rtol"]), T(scalars["atol"]), scalars["max_steps"], int(width > 0),
+            T(scalars["rtol"]), T(scalars["atol"]), scalars["max_steps"], int(width > 0), m,
             h_out, res["y"], res["ys"], res["n_acc"], res["n_rej"], res["status"]])
         wp.synchronize_device(dev)
         return h_out, {k: v.numpy() for k, v in res.items()}
