@@ -16,7 +16,8 @@ excluded; per-trajectory time = median / n):
 2. The recorders: `gs.record(prob, recorder="fused")` vs `recorder="general"`, and
    whether both give the same accepted / rejected step counts and step sizes.
 3. State dimension: `gs.problems.linear(n=1024, d=d)`, d = 2 ... 128, through
-   `gradsolve.warp._fused.run_fused` directly (the router refuses d > 64 for fused):
+   `gradsolve.warp._fused.run_fused` directly (the router refuses fused for d > 8 on
+   the CPU):
    the Warp kernel's compile time (`_fused.kernel_for`, the codegen plus Warp's
    build, in a fresh cache: this script points `GRADSOLVE_KERNEL_CACHE` and
    `warp.config.kernel_cache_dir` at new temporary folders before Warp initialises,
@@ -366,7 +367,7 @@ def dim_rows(res):
                      f"{r['fused']['median_s'] * 1e3:.2f}",
                      f"{r['general']['median_s'] * 1e3:.2f}",
                      f"{r['general']['first_call_s']:.2f}", fmt_x(r["general_over_fused"]),
-                     "yes" if r["router"] == "fused accepted" else "no (d > 64)"])
+                     "yes" if r["router"] == "fused accepted" else f"no (d > {CPU_MAX_D})"])
     return ["d", "steps", "Warp compile s", "fused run ms", "general run ms",
             "general first call s", "general / fused", "router allows fused"], rows
 

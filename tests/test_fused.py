@@ -90,7 +90,8 @@ def test_fused_replay_gradient_equals_general_replay(name, kw, rtol, atol):
 @pytest.mark.parametrize("name,kw", [("lorenz", {}), ("linear", {"d": 5})])
 def test_chunks_lanes_and_threads_do_not_change_results(monkeypatch, name, kw):
     # A trajectory's arithmetic must not depend on where it lands: its chunk, its lane
-    # within a thread (n = 13 leaves the last thread a finished lane), its slice.
+    # within a thread (n = 13 leaves the last thread a finished lane), its slice, or
+    # whether a recording ran it twice.
     from gradsolve.warp import _fused, _runtime
     prob = getattr(gs.problems, name)(n=13, **kw)
     whole = gs.record(prob, recorder="fused")
@@ -99,7 +100,10 @@ def test_chunks_lanes_and_threads_do_not_change_results(monkeypatch, name, kw):
     chunked = gs.record(prob, recorder="fused")
     monkeypatch.setattr(_fused, "CPU_LANES", 1)
     one_lane = gs.record(prob, recorder="fused")
-    for other in (chunked, one_lane):
+    # Recording launches keep RECORD_WIDTH steps; longer trajectories run again.
+    monkeypatch.setattr(_fused, "RECORD_WIDTH", int(np.median(whole.n_steps)))
+    rerun = gs.record(prob, recorder="fused")
+    for other in (chunked, one_lane, rerun):
         np.testing.assert_array_equal(whole.h, other.h)
         np.testing.assert_array_equal(whole.n_steps, other.n_steps)
     assert _runtime.slices(13, 2) in ([(0, 6), (6, 13)], [(0, 7), (7, 13)])

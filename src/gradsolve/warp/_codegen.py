@@ -225,7 +225,7 @@ _KERNEL_HEAD = """
 @wp.kernel
 def solve(y0: wp.array2d(dtype=T), p: wp.array2d(dtype=T), s: wp.array(dtype=T),
           t_first: wp.array(dtype=T), ts: wp.array(dtype=T), n_ts: int,
-          t0: T, t1: T, floor: T, rtol: T, atol: T, max_steps: int, record: int, m: int,
+          t0: T, t1: T, floor: T, rtol: T, atol: T, max_steps: int, width: int, m: int,
           h_out: wp.array2d(dtype=T), y_out: wp.array2d(dtype=T),
           ys_out: wp.array3d(dtype=T), n_acc: wp.array(dtype=wp.int32),
           n_rej: wp.array(dtype=wp.int32), status: wp.array(dtype=wp.int32)):
@@ -270,7 +270,7 @@ _LANE_CONTROL = """
                     for k in range(D):
                         ys_out[i_L_, j_L_, k] = extra_L_[k]
                     j_L_ = j_L_ + 1
-                if record == 1:
+                if acc_L_ < width:
                     h_out[i_L_, acc_L_] = h_L_
                 acc_L_ = acc_L_ + 1
                 if finite(y_new_L_) == 0:

@@ -1,12 +1,15 @@
-"""The fused solve and the fused recorder: one Warp thread per trajectory.
+"""The fused solve and the fused recorder: each Warp thread runs whole trajectories.
 
 The first step comes from the JAX side (`record._start`, Hairer & Wanner's rule in
-`control.initial_step`), so both recorders start from the same step. Recording
-takes two launches: the first counts each trajectory's accepted steps, the second
-writes them into a buffer exactly as wide as the longest trajectory -- the buffer
-never scales with `max_steps`. Ensembles whose buffers would exceed `MEMORY_BUDGET`
-bytes run in consecutive chunks.
+`control.initial_step`), so both recorders start from the same step. A recording
+launch keeps the first `RECORD_WIDTH` step sizes of every trajectory; the few that
+take more steps run again, alone, with a buffer as wide as the longest of them --
+the buffer never scales with `max_steps`, and a trajectory's result does not depend
+on which launch ran it (the kernels are bit for bit lane- and slice-invariant).
+Ensembles whose buffers would exceed `MEMORY_BUDGET` bytes run in consecutive chunks.
 """
+
+import functools
 
 import numpy as np
 
@@ -18,6 +21,7 @@ from . import _codegen, _runtime
 
 MEMORY_BUDGET = 1 << 30
 CPU_LANES = 2
+RECORD_WIDTH = 64  # step sizes a recording launch keeps per trajectory; see run_fused
 
 
 def lanes() -> int:
@@ -28,9 +32,13 @@ def lanes() -> int:
 
 def kernel_for(prob, method, dtype):
     """The compiled `solve` kernel for this problem's field, method and dtype."""
-    field = fused_field(prob.f_jax)
     bits = 64 if np.dtype(dtype) == np.float64 else 32
-    source = _codegen.kernel_source(method, field.source(prob.d), prob.d, bits, lanes())
+    return _kernel(method, prob.f_jax, prob.d, bits, lanes())
+
+
+@functools.cache
+def _kernel(method, f_jax, d, bits, n_lanes):
+    source = _codegen.kernel_source(method, fused_field(f_jax).source(d), d, bits, n_lanes)
     return _runtime.load(source).solve
 
 
@@ -58,17 +66,14 @@ def run_fused(prob, cfg, *, record=False, params=None, y0=None):
     scalars = dict(t0=t0, t1=t1, floor=float(control.t1_snap_floor(np.asarray(t1, dtype))),
                    rtol=cfg.rtol, atol=cfg.atol, max_steps=cfg.max_steps)
     kernel = kernel_for(prob, method, dtype)
-    out = {"y": np.empty((n, d), dtype), "ys": np.empty((n, max(n_ts, 1), d), dtype),
-           "n_acc": np.empty(n, np.int32), "n_rej": np.empty(n, np.int32),
-           "status": np.empty(n, np.int32)}
-    per_trajectory = dtype.itemsize * d * (4 + n_ts) + 64
-    chunk = max(1, MEMORY_BUDGET // per_trajectory)
     T = wp.float64 if dtype == np.float64 else wp.float32
     dev = _runtime.device()
 
-    def launch(a, b, width):
-        arr = lambda x, dt=None: wp.array(x, dtype=dt or T, device=dev)
-        m = b - a
+    def launch(inputs, width):
+        """One launch over the trajectories in `inputs`; step sizes are written up to
+        `width` columns (0: none)."""
+        arr = lambda x: wp.array(x, dtype=T, device=dev)
+        m = len(inputs["y0"])
         h_out = wp.zeros((m, max(width, 1)), dtype=T, device=dev)
         res = {"y": wp.zeros((m, d), dtype=T, device=dev),
                "ys": wp.zeros((m, max(n_ts, 1), d), dtype=T, device=dev),
@@ -76,33 +81,49 @@ def run_fused(prob, cfg, *, record=False, params=None, y0=None):
                "n_rej": wp.zeros(m, dtype=wp.int32, device=dev),
                "status": wp.zeros(m, dtype=wp.int32, device=dev)}
         wp.launch(kernel, dim=-(-m // lanes()), device=dev, inputs=[
-            arr(host["y0"][a:b]), arr(host["p"][a:b]), arr(shared), arr(host["t_first"][a:b]),
+            arr(inputs["y0"]), arr(inputs["p"]), arr(shared), arr(inputs["t_first"]),
             arr(ts), n_ts, T(scalars["t0"]), T(scalars["t1"]), T(scalars["floor"]),
-            T(scalars["rtol"]), T(scalars["atol"]), scalars["max_steps"], int(width > 0), m,
+            T(scalars["rtol"]), T(scalars["atol"]), scalars["max_steps"], width, m,
             h_out, res["y"], res["ys"], res["n_acc"], res["n_rej"], res["status"]])
         wp.synchronize_device(dev)
-        return h_out, {k: v.numpy() for k, v in res.items()}
+        return h_out.numpy(), {k: v.numpy() for k, v in res.items()}
 
-    def fill(a, b):
-        _, res = launch(a, b, 0)
-        for k, v in res.items():
-            out[k][a:b] = v
+    def run(rows, width, out):
+        """Run the trajectories `rows` (indices), in chunks within `MEMORY_BUDGET`,
+        each chunk split over the thread pool; write their results into `out`."""
+        per_trajectory = dtype.itemsize * (d * (4 + n_ts) + width) + 64
+        chunk = max(1, MEMORY_BUDGET // per_trajectory)
 
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
-        _runtime.run_split(lambda a, b: fill(start + a, start + b), stop - start)
-    if record:
-        width = max(int(out["n_acc"].max()), 1)
+        def fill(a, b):
+            sel = rows[a:b]
+            h, res = launch({k: v[sel] for k, v in host.items()}, width)
+            for k, v in res.items():
+                out[k][sel] = v
+            if width:
+                out["h"][sel, :width] = h[:, :width]
+
+        for start in range(0, len(rows), chunk):
+            stop = min(len(rows), start + chunk)
+            _runtime.run_split(lambda a, b: fill(start + a, start + b), stop - start)
+
+    out = {"y": np.empty((n, d), dtype), "ys": np.empty((n, max(n_ts, 1), d), dtype),
+           "n_acc": np.empty(n, np.int32), "n_rej": np.empty(n, np.int32),
+           "status": np.empty(n, np.int32)}
+    every = np.arange(n)
+    if not record:
+        run(every, 0, out)
+    else:
+        # One launch records up to RECORD_WIDTH steps; the trajectories that took more
+        # run again with a buffer as wide as the longest of them.
+        width = min(RECORD_WIDTH, cfg.max_steps)
         out["h"] = np.zeros((n, width), dtype)
-        chunk_h = max(1, MEMORY_BUDGET // (per_trajectory + dtype.itemsize * width))
-
-        def fill_h(a, b):
-            h, _ = launch(a, b, width)
-            out["h"][a:b] = h.numpy()
-
-        for start in range(0, n, chunk_h):
-            stop = min(n, start + chunk_h)
-            _runtime.run_split(lambda a, b: fill_h(start + a, start + b), stop - start)
+        run(every, width, out)
+        longer = np.flatnonzero(out["n_acc"] > width)
+        if longer.size:
+            full = int(out["n_acc"][longer].max())
+            out["h"] = np.concatenate([out["h"], np.zeros((n, full - width), dtype)], axis=1)
+            run(longer, full, out)
+        out["h"] = out["h"][:, :max(int(out["n_acc"].max()), 1)]
     if n_ts == 0:
         out["ys"] = None
     return out

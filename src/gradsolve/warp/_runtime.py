@@ -17,6 +17,7 @@ import sys
 # Trajectories differ in cost (a slice of stiffer ones takes longer): several slices
 # per core keep both cores busy to the end (Lorenz, n = 2^16: 5% faster than one).
 SLICES_PER_CORE = 4
+MIN_SLICE = 512
 
 
 @functools.cache
@@ -78,7 +79,7 @@ def run_split(fn, n: int):
     if device() != "cpu":
         fn(0, n)
         return
-    parts = slices(n, (os.cpu_count() or 1) * SLICES_PER_CORE)
+    parts = slices(n, min((os.cpu_count() or 1) * SLICES_PER_CORE, -(-n // MIN_SLICE)))
     if len(parts) == 1:
         fn(*parts[0])
         return
