@@ -6,18 +6,21 @@ when a fused engine runs.
 """
 
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import importlib.util
 import os
 import pathlib
 import sys
+import tempfile
 
 
 # Trajectories differ in cost (a slice of stiffer ones takes longer): several slices
 # per core keep both cores busy to the end (Lorenz, n = 2^16: 5% faster than one).
 SLICES_PER_CORE = 4
 MIN_SLICE = 512
+_NO_DRIVER = "Could not find or load the NVIDIA CUDA driver"
 
 
 @functools.cache
@@ -27,8 +30,31 @@ def warp():
     import warp as wp
 
     wp.config.log_level = wp.LOG_ERROR
-    wp.init()
+    with _native_stderr() as printed:
+        wp.init()
+    # Warp's native library prints the missing-driver notice itself: drop that line,
+    # pass on anything else.
+    sys.stderr.write("".join(line for line in printed().splitlines(keepends=True)
+                             if _NO_DRIVER not in line))
     return wp
+
+
+@contextlib.contextmanager
+def _native_stderr():
+    """Capture what native code writes to file descriptor 2 inside the block; yields
+    a function that returns it as text once the block has ended."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    text = []
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lambda: "".join(text)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            text.append(sink.read().decode(errors="replace"))
 
 
 @functools.cache
