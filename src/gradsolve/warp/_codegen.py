@@ -10,7 +10,7 @@ JAX replay does), and -- when recording -- each accepted step size.
 
 Loops are kept dynamic (`max_unroll = 0`): unrolled Gauss--Jordan elimination at
 d = 8 does not finish compiling in reasonable time. Modules compile at -O3 (on this
-CPU 10-45% faster than Warp's CPU default -O2 on the registered fields).
+CPU about 20% faster than Warp's CPU default -O2 on Lorenz and HIRES).
 
 Each thread runs `lanes` trajectories side by side, statement by statement (two on
 the CPU, `_fused.CPU_LANES`): one trajectory's step is a long chain of dependent
