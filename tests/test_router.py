@@ -7,7 +7,7 @@ import gradsolve as gs
 from gradsolve.engines import Request
 
 
-NOT_FUSED = "f_jax is not a registered field (no fused form)"
+NOT_FUSED = "f_jax has no fused form (gs.register_field translates one)"
 
 
 def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False, rtol=None):
@@ -61,7 +61,7 @@ def test_route_table(request_, engine, expected, method, passed):
 @pytest.mark.parametrize("request_,engine,reason", [
     (R(True), "general", "forward only"),
     (R(True, fused=True), "fused", "forward only \\(gradients: 'fused_replay'\\)"),
-    (R(True), "fused_replay", "f_jax is not a registered field"),
+    (R(True), "fused_replay", "f_jax has no fused form"),
     (R(False, d=100, fused=True), "fused", "d = 100 > 8: past the fused kernels' cutoff"),
 ])
 def test_forced_engine_that_cannot_serve_names_the_reason(request_, engine, reason):
@@ -80,5 +80,5 @@ def test_results_name_the_engine_that_ran():
     assert vg.engine == "fused_replay" and vg.mesh.recorder == "fused"
     vg = gs.value_and_grad(own, lambda ys, p: ys.sum())
     assert vg.engine == "general_replay" and vg.mesh.recorder == "general"
-    with pytest.raises(ValueError, match="'fused_replay' cannot serve.*not a registered"):
+    with pytest.raises(ValueError, match="'fused_replay' cannot serve.*has no fused form"):
         gs.value_and_grad(own, lambda ys, p: ys.sum(), fused=True)

@@ -40,6 +40,7 @@ class Request:
     fused: bool = False
     jacobian: bool = False
     rtol: float | None = None
+    fused_why: str | None = None  # why the field has no fused form, when it has none
 
 
 # The router's state-dimension cutoff for the fused kernels, per Warp device. On a GPU
@@ -236,7 +237,7 @@ class Diffrax(Engine):
 def _fused_refusal(request: Request) -> str | None:
     """Why the fused kernels cannot run this request, or None."""
     if not request.fused:
-        return "f_jax is not a registered field (no fused form)"
+        return request.fused_why or "f_jax has no fused form (gs.register_field translates one)"
     from .warp._runtime import device
     limit = FUSED_MAX_D[device()]
     if request.d > limit:

@@ -72,7 +72,8 @@ class EnsembleProblem(eqx.Module):
         t_span: `(t0, t1)` with `t1 > t0`, shared by all trajectories.
         stiff: whether the problem is stiff (selects a stiff method).
         name: a name for results, checkpoints and the router's reports.
-        fused: ask for the fused (Warp) form of this right-hand side.
+        fused: translate this right-hand side into the fused (Warp) form even though
+            it is not registered (see `gs.register_field`).
 
     Examples:
         >>> import jax.numpy as jnp, gradsolve as gs

@@ -10,7 +10,7 @@ passed over with that reason.
 from . import methods
 from .config import make_config
 from .engines import ENGINES, Engine, Request
-from .fields._warp import fused_field
+from .fields._warp import fused_form
 
 
 GRADIENT_ORDER = ("fused_replay", "general_replay")
@@ -33,7 +33,7 @@ def route(request: Request, engine=None) -> tuple[Engine, dict[str, str]]:
         >>> from gradsolve.engines import Request
         >>> eng, why = gs.route(Request(gradient=True, stiff=False, d=3, method="tsit5"))
         >>> eng.name, why["fused_replay"]
-        ('general_replay', 'f_jax is not a registered field (no fused form)')
+        ('general_replay', 'f_jax has no fused form (gs.register_field translates one)')
         >>> gs.route(Request(gradient=True, stiff=False, d=3, fused=True))[0].name
         'fused_replay'
     """
@@ -68,10 +68,10 @@ def route(request: Request, engine=None) -> tuple[Engine, dict[str, str]]:
 def request_for(prob, *, gradient: bool, method=None, rtol=None) -> Request:
     """The router's view of a problem: stiffness, dimension, whether its field has a
     fused form (and a hand-written Jacobian), the tolerance asked for."""
-    field = fused_field(prob.f_jax)
+    field, why = fused_form(prob)
     return Request(gradient=gradient, stiff=prob.stiff, d=prob.d, method=method,
                    fused=field is not None, jacobian=bool(field is not None and field.stiff),
-                   rtol=rtol)
+                   rtol=rtol, fused_why=why)
 
 
 def plan(prob, *, gradient: bool, engine=None, method=None, **settings):

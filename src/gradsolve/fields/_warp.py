@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..warp import _translate
 from . import _systems
 
 
@@ -191,9 +192,69 @@ REGISTRY: dict[Callable, FusedField] = {
 }
 
 
-def fused_field(f_jax) -> FusedField | None:
-    """The fused form of a registered JAX right-hand side, or None."""
+# Right-hand sides registered with `register_field`: f_jax -> (name, stiff).
+TRANSLATED: dict[Callable, tuple[str, bool]] = {}
+
+
+def register_field(name: str, f_jax: Callable, stiff: bool = False) -> None:
+    """Give a JAX right-hand side a fused (Warp) form, translated from its jaxpr.
+
+    The translation happens per problem shape, when a problem with this `f_jax` is
+    first routed; a field the translator cannot handle (the error names the JAX
+    primitive) takes the general path, with that reason in `passed_over`.
+
+    Args:
+        name: a name for messages.
+        f_jax: `f(t, y, args)` of one trajectory, the function the problems use.
+        stiff: also translate its Jacobian (`jax.jacfwd`), for the stiff fused kernel.
+
+    Examples:
+        >>> import jax.numpy as jnp, gradsolve as gs
+        >>> def sir(t, y, p):
+        ...     s, i, r = y
+        ...     return jnp.stack([-p["beta"] * s * i, p["beta"] * s * i - p["gamma"] * i,
+        ...                       p["gamma"] * i])
+        >>> gs.register_field("sir", sir)
+        >>> prob = gs.EnsembleProblem(sir, jnp.tile(jnp.array([0.99, 0.01, 0.0]), (4, 1)),
+        ...                           {"beta": jnp.linspace(1.0, 2.0, 4),
+        ...                            "gamma": jnp.full(4, 0.3)}, (0.0, 10.0))
+        >>> gs.solve(prob).engine
+        'fused'
+    """
+    if not callable(f_jax):
+        raise TypeError(f"f_jax must be callable, got {type(f_jax).__name__}")
+    if f_jax in REGISTRY:
+        raise ValueError(f"{name!r}: this function already has a hand-written fused form")
+    TRANSLATED[f_jax] = (str(name), bool(stiff))
+
+
+def fused_form(prob, params=None) -> tuple[FusedField | None, str | None]:
+    """The fused form of `prob`'s right-hand side and, when there is none, why.
+
+    Hand-written forms come first; then `register_field` entries and problems built
+    with `fused=True` are translated (cached per shape and parameter layout).
+    """
     try:
-        return REGISTRY.get(f_jax)
+        field = REGISTRY.get(prob.f_jax)
+        entry = TRANSLATED.get(prob.f_jax)
     except TypeError:  # an unhashable callable cannot be registered
-        return None
+        return None, "f_jax is not hashable, so it cannot have a fused form"
+    if field is not None:
+        return field, None
+    if entry is None and getattr(prob, "fused", False):
+        entry = (prob.name or "field", prob.stiff)
+    if entry is None:
+        return None, "f_jax has no fused form (gs.register_field translates one)"
+    params = prob.params if params is None else params
+    key = (prob.f_jax, prob.d, np.dtype(prob.y0.dtype).name, _translate.layout(params), entry)
+    if key not in _TRANSLATIONS:
+        try:
+            source = _translate.translate(prob.f_jax, params, prob.y0, stiff=entry[1])
+            _TRANSLATIONS[key] = (FusedField(entry[0], lambda d, text=source: text,
+                                             _translate.pack, stiff=entry[1], d=prob.d), None)
+        except _translate.UntranslatableField as err:
+            _TRANSLATIONS[key] = (None, f"{entry[0]!r} has no fused form: {err}")
+    return _TRANSLATIONS[key]
+
+
+_TRANSLATIONS: dict = {}

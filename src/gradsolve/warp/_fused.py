@@ -14,7 +14,7 @@ import functools
 import numpy as np
 
 from .. import control, methods
-from ..fields._warp import fused_field
+from ..fields._warp import fused_form
 from ..record import _start
 from . import _codegen, _runtime
 
@@ -33,12 +33,15 @@ def lanes() -> int:
 def kernel_for(prob, method, dtype):
     """The compiled `solve` kernel for this problem's field, method and dtype."""
     bits = 64 if np.dtype(dtype) == np.float64 else 32
-    return _kernel(method, prob.f_jax, prob.d, bits, lanes())
+    field, why = fused_form(prob)
+    if field is None:
+        raise ValueError(why)
+    return _kernel(method, field, prob.d, bits, lanes())
 
 
 @functools.cache
-def _kernel(method, f_jax, d, bits, n_lanes):
-    source = _codegen.kernel_source(method, fused_field(f_jax).source(d), d, bits, n_lanes)
+def _kernel(method, field, d, bits, n_lanes):
+    source = _codegen.kernel_source(method, field.source(d), d, bits, n_lanes)
     return _runtime.load(source).solve
 
 
@@ -57,7 +60,7 @@ def run_fused(prob, cfg, *, record=False, params=None, y0=None):
     n, d = y0.shape
     t0, t1 = (float(t) for t in prob.t_span)
     _, t_first, _ = _start(y0, params, cfg.dt0, prob.f_jax, method, cfg.rtol, cfg.atol, t0, t1)
-    P, S = fused_field(prob.f_jax).pack(params, n)
+    P, S = fused_form(prob, params)[0].pack(params, n)
     host = {"y0": np.asarray(y0, dtype), "p": np.asarray(P, dtype),
             "t_first": np.asarray(t_first, dtype)}
     shared = np.asarray(S, dtype)
