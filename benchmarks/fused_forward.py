@@ -1,7 +1,7 @@
 """Forward-solve benchmark of the fused Warp engine against the general engine and
 Diffrax (Tsit5, float64, rtol 1e-6, atol 1e-9), on Warp's CPU device.
 
-Four measurements (median of warm repeats; one untimed first call compiles and is
+Five measurements (median of warm repeats; one untimed first call compiles and is
 excluded; per-trajectory time = median / n):
 
 1. Lorenz ensemble `gs.problems.lorenz(n)` (rho in [10, 20], t in [0, 1]) for
@@ -25,6 +25,8 @@ excluded; per-trajectory time = median / n):
    general engine's run time and first (compiling) call.
 4. A spread-difficulty Lorenz ensemble (rho in [0.5, 100], t in [0, 5]: accepted
    steps from ~40 to ~400): fused vs general vs Diffrax at n = 2^14.
+5. A translated field: `gs.problems.galactic_halo` with `fused=True` (no hand-written
+   form; the translator writes it), fused vs general vs Diffrax at the same n.
 
 Outputs: tables on stdout, `benchmarks/results/fused_forward.json` and the section
 between `<!-- fused_forward:start -->` and `<!-- fused_forward:end -->` in
@@ -301,8 +303,9 @@ def dimensions(dims, n, repeats):
 
 # ---------------------------------------------------------------- 4. spread ensemble
 
-def spread(n, repeats):
-    prob = gs.problems.lorenz(n, **SPREAD)
+def compare(prob, repeats, tag):
+    """fused vs general vs Diffrax (vmap) on one ensemble: times, step counts, checks."""
+    n = prob.n
     row = {"n": n, "repeats": repeats, "engines": {}}
     fns = {"fused": lambda: gs.solve(prob, rtol=RTOL, atol=ATOL),
            "general": lambda: gs.solve(prob, rtol=RTOL, atol=ATOL, engine="general"),
@@ -311,8 +314,10 @@ def spread(n, repeats):
         t = timed(fn, repeats)
         t["us_per_traj"] = t["median_s"] / n * 1e6
         row["engines"][name] = t
-        log(f"  spread n={n} {name}: {t['median_s']:.4f} s ({t['us_per_traj']:.2f} us/traj)")
+        log(f"  {tag} n={n} {name}: {t['median_s']:.4f} s ({t['us_per_traj']:.2f} us/traj)")
     fsol, gsol = fns["fused"](), fns["general"]()
+    if fsol.engine != "fused":
+        raise RuntimeError(f"{tag}: the router chose {fsol.engine!r}, not 'fused'")
     _, result, stats = fns["diffrax"]()
     steps = np.asarray(fsol.n_accepted)
     row["accepted_steps"] = {"min": int(steps.min()), "median": float(np.median(steps)),
@@ -328,6 +333,21 @@ def spread(n, repeats):
     row["ratios"] = {"general_over_fused": e["general"]["median_s"] / e["fused"]["median_s"],
                      "diffrax_over_fused": e["diffrax"]["median_s"] / e["fused"]["median_s"]}
     return row
+
+
+def spread(n, repeats):
+    return compare(gs.problems.lorenz(n, **SPREAD), repeats, "spread")
+
+
+# ------------------------------------------------------------- 5. a translated field
+
+def translated(n, repeats):
+    """`gs.problems.galactic_halo` has no hand-written Warp form: with `fused=True` the
+    translator writes one (`gradsolve/warp/_translate.py`)."""
+    base = gs.problems.galactic_halo(n)
+    prob = gs.EnsembleProblem(base.f_jax, base.y0, base.params, base.t_span,
+                              name="galactic_halo", fused=True)
+    return compare(prob, repeats, "translated")
 
 
 # ------------------------------------------------------------------------- reporting
@@ -446,6 +466,13 @@ def verdicts(report):
             f"spread ensemble (n = {sp['n']}, accepted steps {s['min']}/{s['median']:.0f}/"
             f"{s['max']} min/median/max): general / fused {sp['ratios']['general_over_fused']:.2f}x,"
             f" Diffrax / fused {sp['ratios']['diffrax_over_fused']:.2f}x")
+    tr = report.get("translated")
+    if tr:
+        out["translated"] = (
+            f"translated field (galactic_halo with fused=True, n = {tr['n']}): Diffrax / "
+            f"fused {tr['ratios']['diffrax_over_fused']:.2f}x, general / fused "
+            f"{tr['ratios']['general_over_fused']:.2f}x; accepted steps equal to general's: "
+            f"{'yes' if tr['checks']['same_accepted_steps_general'] else 'NO'}")
     return out
 
 
@@ -535,6 +562,18 @@ def markdown(report, command, out):
             "every trajectory until the slowest is done; the fused kernel's threads stop "
             "on their own.", "",
             md_table(*spread_rows(sp)), ""]
+    tr = report.get("translated")
+    if tr:
+        s = tr["accepted_steps"]
+        lines += [
+            "### A translated field", "",
+            f"`gs.problems.galactic_halo({tr['n']})` (t in [0, 10], d = 6) rebuilt with "
+            "`fused=True`: it has no hand-written Warp form, so the translator writes one "
+            f"from its jaxpr. Accepted steps min {s['min']}, median {s['median']:.0f}, max "
+            f"{s['max']}; same as the general engine's: "
+            f"{'yes' if tr['checks']['same_accepted_steps_general'] else 'NO'}; final states "
+            f"within {tr['checks']['fused_vs_general_max_abs_diff']:.1e}.", "",
+            md_table(*spread_rows(tr)), ""]
     lines += ["### Targets and findings", ""]
     lines += [f"- {t}." for t in report["verdicts"].values()]
     load = report["load_average"]
@@ -631,6 +670,8 @@ def main(argv=None):
     res_dims = dimensions(dims, dim_n, 3 if q else 5)
     log(f"4. spread ensemble at n={spread_n}")
     res_spread = spread(spread_n, repeats_for(spread_n)) if spread_n else None
+    log(f"5. translated field at n={spread_n}")
+    res_translated = translated(spread_n, repeats_for(spread_n)) if spread_n else None
 
     report = {
         "benchmark": "fused_forward",
@@ -656,7 +697,7 @@ def main(argv=None):
         "load_average": {"start": list(load_start), "end": list(os.getloadavg())},
         "total_wall_s": time.perf_counter() - t_start,
         "sizes": res_sizes, "recorders": res_rec, "dimensions": res_dims,
-        "spread": res_spread,
+        "spread": res_spread, "translated": res_translated,
     }
     report["verdicts"] = verdicts(report)
 
@@ -666,6 +707,8 @@ def main(argv=None):
     log(cutoff_note(res_dims))
     if res_spread:
         log("\nSpread ensemble\n" + text_table(*spread_rows(res_spread)))
+    if res_translated:
+        log("\nTranslated field\n" + text_table(*spread_rows(res_translated)))
     log("\nTargets and findings:\n" + "\n".join(f"- {t}" for t in report["verdicts"].values()))
     log(f"\ntotal {report['total_wall_s']:.0f} s")
 
