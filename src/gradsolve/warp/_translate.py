@@ -83,7 +83,6 @@ _UNARY = {
     "rsqrt": (lambda a: 1 / np.sqrt(a), "T(1.0) / wp.sqrt({0})"),
     "cbrt": (np.cbrt, "wp.cbrt({0})"),
     "abs": (abs, "wp.abs({0})"),
-    "sign": (np.sign, "wp.sign({0})"),
     "floor": (np.floor, "wp.floor({0})"),
     "ceil": (np.ceil, "wp.ceil({0})"),
     "square": (lambda a: a * a, "{0} * {0}"),
@@ -99,7 +98,7 @@ _BINARY = {
     "sub": (lambda a, b: a - b, "{0} - {1}"),
     "mul": (lambda a, b: a * b, "{0} * {1}"),
     "div": (lambda a, b: a / b, "{0} / {1}"),
-    "pow": (lambda a, b: a ** b, "wp.pow({0}, {1})"),
+    "pow": (lambda a, b: float(np.power(np.float64(a), b)), "wp.pow({0}, {1})"),
     "max": (max, "wp.max({0}, {1})"),
     "min": (min, "wp.min({0}, {1})"),
     "atan2": (math.atan2, "wp.atan2({0}, {1})"),
@@ -114,9 +113,10 @@ _BINARY = {
 }
 
 # Primitives whose one parameter is a jaxpr to evaluate in place.
-_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-          "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+          "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
+          "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
+          "remat": "jaxpr", "checkpoint": "jaxpr"}
 
 
 def _elementwise(fn, *arrays):
@@ -196,6 +196,9 @@ def _eval(builder, jaxpr, consts, args):
 def _primitive(builder, name, params, ins):
     """The outputs of one jaxpr equation, as object arrays."""
     boolean = name in _LOGICAL
+    if name in ("and", "or", "not") and any(
+            isinstance(x, _Sym) and not x.boolean for a in ins for x in np.ravel(a)):
+        raise UntranslatableField(f"the JAX primitive {name!r} on integers (bitwise)")
     if name in _UNARY:
         fold, template = _UNARY[name]
         return [_elementwise(lambda a: _apply(builder, fold, template, a, boolean=boolean),
