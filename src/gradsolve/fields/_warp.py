@@ -194,6 +194,8 @@ REGISTRY: dict[Callable, FusedField] = {
 
 # Right-hand sides registered with `register_field`: f_jax -> (name, stiff).
 TRANSLATED: dict[Callable, tuple[str, bool]] = {}
+# Translations done: (f_jax, d, dtype, parameter layout, entry) -> (field, why not).
+_TRANSLATIONS: dict = {}
 
 
 def register_field(name: str, f_jax: Callable, stiff: bool = False) -> None:
@@ -254,7 +256,8 @@ def fused_form(prob, params=None) -> tuple[FusedField | None, str | None]:
                                              _translate.pack, stiff=entry[1], d=prob.d), None)
         except _translate.UntranslatableField as err:
             _TRANSLATIONS[key] = (None, f"{entry[0]!r} has no fused form: {err}")
+        except Exception as err:  # noqa: BLE001 - a translator gap must not break solve
+            _TRANSLATIONS[key] = (None, f"{entry[0]!r} has no fused form: the translator "
+                                        f"failed ({type(err).__name__}: {err})")
     return _TRANSLATIONS[key]
 
-
-_TRANSLATIONS: dict = {}
