@@ -125,19 +125,29 @@ def test_resume_is_bit_identical(lorenz, tmp_path):
     assert resumed.refreshes == straight.refreshes
 
 
+def _steps(ckpt):
+    return sorted(int(p.name) for p in pathlib.Path(ckpt).iterdir() if p.name.isdigit())
+
+
+def _flip_a_byte(step_dir):
+    files = [p for p in step_dir.rglob("*") if p.is_file() and "meta" not in str(p)]
+    target = max(files, key=lambda p: p.stat().st_size)
+    raw = bytearray(target.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    target.write_bytes(bytes(raw))
+
+
 def test_damaged_latest_checkpoint_falls_back(lorenz, tmp_path):
     ckpt = tmp_path / "fit"
     straight = calibrator(lorenz).fit(THETA0, steps=40, progress=False)
     cal = _interrupting(calibrator(lorenz, checkpoint_dir=ckpt, checkpoint_every=10), 31)
     with pytest.raises(KeyboardInterrupt):
         cal.fit(THETA0, steps=40, progress=False)
-    # Flip one byte in the largest data file of the latest step (30).
-    files = [p for p in (ckpt / "30").rglob("*") if p.is_file() and "meta" not in str(p)]
-    target = max(files, key=lambda p: p.stat().st_size)
-    raw = bytearray(target.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    target.write_bytes(bytes(raw))
-    with pytest.warns(UserWarning, match="step 30"):
+    # The interruption saved step 31 after 10, 20, 30: flip one byte in the largest
+    # data file of that newest step.
+    assert _steps(ckpt) == [20, 30, 31]
+    _flip_a_byte(ckpt / "31")
+    with pytest.warns(UserWarning, match="step 31"):
         resumed = calibrator(lorenz, checkpoint_dir=ckpt, checkpoint_every=10).fit(
             THETA0, steps=40, progress=False)
     _assert_same_state(resumed.state, straight.state)

@@ -13,6 +13,14 @@ import numpy as np
 from .status import Status, summarize
 
 
+def padded_width(columns: int) -> int:
+    """The padded width for `columns` steps: 8 at least, then four widths per doubling."""
+    if columns <= 8:
+        return 8
+    step = 1 << (int(columns - 1).bit_length() - 3)
+    return -(-columns // step) * step
+
+
 class Mesh(eqx.Module):
     """Accepted step sizes of every trajectory of an ensemble, as recorded.
 
@@ -64,13 +72,19 @@ class Mesh(eqx.Module):
         extra = columns - self.columns
         if extra < 0:
             raise ValueError(f"columns must be >= {self.columns}, got {columns}")
-        return eqx.tree_at(lambda m: m.h, self, jnp.pad(self.h, ((0, 0), (0, extra))))
+        if extra == 0:
+            return self
+        # NumPy, not jnp.pad: an eager jnp op would compile once per pair of widths.
+        h = np.pad(np.asarray(self.h), ((0, 0), (0, extra)))
+        return eqx.tree_at(lambda m: m.h, self, jnp.asarray(h))
 
-    def widened(self, columns: int, multiple: int = 8) -> "Mesh":
-        """Padded to at least `columns`, rounded up to a multiple of `multiple`: a
-        refreshed mesh keeps its compiled replay unless it outgrows the width."""
-        width = max(columns, self.columns)
-        return self.padded(-(-width // multiple) * multiple)
+    def widened(self, columns: int = 0) -> "Mesh":
+        """Padded to the smallest of a few fixed widths that holds `columns` and S: a
+        refreshed mesh keeps its compiled replay unless it outgrows the width, and one
+        that grows lands on one of a few widths (at most 4 per doubling: 8, 10, 12,
+        14, 16, 20, 24, 28, 32, 40, ...), so the padding is at most 25% of S and a long
+        fit compiles its replay a few times, not once per width."""
+        return self.padded(padded_width(max(columns, self.columns)))
 
     def summary(self) -> str:
         n_steps = np.asarray(self.n_steps)

@@ -7,10 +7,19 @@ Optax transformation per fit under `vmap` (so norms, clipping and schedules neve
 couple fits). Fits that converge are frozen -- parameters and optimizer state -- and
 fits whose loss or gradient goes non-finite, or whose trajectories fail to record,
 are frozen with a status; the others go on untouched.
+
+Nothing compiled depends on the number of steps: the step cap is traced, and the
+loss history lives on the host. A refreshed mesh is padded to one of a few widths
+(`Mesh.widened`), so a fit compiles its update once per width it meets.
 """
 
 import enum
 import functools
+import hashlib
+import json
+import re
+import sys
+import warnings
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -20,12 +29,13 @@ import numpy as np
 import optax
 
 from ..config import DEFAULT_MAX_STEPS
-from ..problem import Shared, as_problem
+from ..mesh import Mesh
+from ..problem import Shared, _is_shared, as_problem
 from ..record import RECORDERS
 from ..router import plan
 from ..status import Status
 from . import _transforms
-from ._checkpoint import Checkpoints
+from ._checkpoint import CheckpointMismatch, Checkpoints, check_directory, checksum
 from ._result import FitResult
 
 
@@ -49,8 +59,8 @@ class FitState(NamedTuple):
     steps: jax.Array     # (B,) updates applied
     loss: jax.Array      # (B,) loss at the current parameters
     grad_norm: jax.Array  # (B,)
-    history: jax.Array   # (steps, B) loss at each update
-    drift: jax.Array     # (steps,) drift figure where a drift check ran, else NaN
+    history: np.ndarray  # (steps, B) loss at each update; on the host (grows with steps)
+    drift: np.ndarray    # (steps,) drift figure where a drift check ran, else NaN
     update: jax.Array    # () updates done
     refreshes: jax.Array  # () mesh refreshes so far
     key: jax.Array
@@ -88,6 +98,8 @@ class Calibrator:
         transform: parameter transforms (`gs.transforms.Positive()`, `Bounded(lo,
             hi)`), one for all leaves or a pytree matching `theta0`; None: identity.
         rtol, atol, method, ts, max_steps, dt0: the record's and replay's settings.
+        remat: recompute each replay step in the backward sweep (`eqx.filter_checkpoint`;
+            default as `gs.value_and_grad`: on for non-stiff methods).
         engine: None (router), or an engine name; `"diffrax"` runs the same loop on
             Diffrax gradients (no mesh) -- the fitting benchmark's baseline.
         recorder: None (router), `"general"` or `"fused"`: which recorder refreshes the
@@ -98,7 +110,10 @@ class Calibrator:
             the replayed final states with the fresh record's; if the relative change
             exceeds `drift_tol` adopt the fresh mesh. Figures land in `result.drift`.
         checkpoint_dir, checkpoint_every: save the fit state with Orbax every this many
-            updates; `fit()` on a directory with a checkpoint resumes from it.
+            updates, at the end of a fit and when it is interrupted (Ctrl-C); `fit()` on
+            a directory with a checkpoint of the same setup resumes from it (see
+            `fit`). A relative path is taken from the current directory; the directory
+            is created and checked for writing here.
 
     Examples:
         >>> import jax.numpy as jnp, optax, gradsolve as gs
@@ -115,8 +130,8 @@ class Calibrator:
 
     def __init__(self, prob, loss, to_params=None, data=None, optimizer=None, *,
                  transform=None, rtol=1e-6, atol=1e-9, method=None, ts=None,
-                 max_steps=DEFAULT_MAX_STEPS, dt0=None, engine=None, recorder=None,
-                 refresh_every=None, drift_every=None, drift_tol=None,
+                 max_steps=DEFAULT_MAX_STEPS, dt0=None, remat=None, engine=None,
+                 recorder=None, refresh_every=None, drift_every=None, drift_tol=None,
                  checkpoint_dir=None, checkpoint_every=None):
         self.problem = as_problem(prob)
         if not callable(loss):
@@ -139,14 +154,24 @@ class Calibrator:
             engine = RECORDERS[recorder]
         if checkpoint_every is not None and checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir")
+        if drift_tol is not None and not (isinstance(drift_tol, (int, float, np.number))
+                                          and drift_tol >= 0):
+            raise ValueError(f"drift_tol must be a number >= 0, got {drift_tol!r}")
+        if checkpoint_dir is not None:
+            checkpoint_dir = check_directory(checkpoint_dir)
+            if checkpoint_every is None:
+                warnings.warn(
+                    "checkpoint_dir without checkpoint_every: the fit is saved only when "
+                    "it ends or is interrupted (Ctrl-C), so a crash loses all its work; "
+                    "pass checkpoint_every=N to save every N updates", stacklevel=2)
         self.loss, self.to_params, self.data = loss, to_params, data
         self.optimizer, self.transform = optimizer, transform
         self._engine, self.passed_over, self.config = plan(
             self.problem, gradient=True, engine=engine, method=method, rtol=rtol, atol=atol,
-            dt0=dt0, max_steps=max_steps, ts=ts)
+            dt0=dt0, max_steps=max_steps, ts=ts, remat=remat)
         self.engine = self._engine.name
-        self.refresh_every, self.drift_every, self.drift_tol = (
-            refresh_every, drift_every, drift_tol)
+        self.refresh_every, self.drift_every = refresh_every, drift_every
+        self.drift_tol = None if drift_tol is None else float(drift_tol)
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self._ys = self._engine.ys_function(self.problem, self.config, "reverse")
         self._update = eqx.filter_jit(self._update_impl)
@@ -157,8 +182,8 @@ class Calibrator:
         """Per-trajectory parameters of the whole ensemble from the B fits' theta."""
         if self.to_params is None:
             def one(theta_b):
-                return jax.tree.map(lambda x: jnp.broadcast_to(x, (K,) + jnp.shape(x)),
-                                    theta_b)
+                return jax.tree.map(lambda x: jnp.broadcast_to(x, (K,) + jnp.shape(x))
+                                    if eqx.is_array(x) else x, theta_b)
         else:
             one = self.to_params
         per_fit = eqx.filter_vmap(one)(theta)
@@ -218,7 +243,8 @@ class Calibrator:
     # -- records --------------------------------------------------------------------
 
     def _record(self, u, static, K, width=0):
-        """Record at the current parameters; per-fit record success."""
+        """Record at the current parameters; per-fit record success. The mesh is padded
+        to one of `Mesh.widened`'s few widths, at least `width`."""
         if not self._engine.records:
             return None, None
         theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
@@ -228,7 +254,6 @@ class Calibrator:
         return mesh.widened(width), ok.all(axis=1)
 
     def _mesh(self, arrays):
-        from ..mesh import Mesh
         if arrays is None:
             return None
         return Mesh(**arrays, method=self.config.method, rtol=self.config.rtol,
@@ -242,19 +267,52 @@ class Calibrator:
         return float(jnp.max(jnp.linalg.norm((old - new).reshape(old.shape[0], -1), axis=1)
                              / jnp.linalg.norm(new.reshape(new.shape[0], -1), axis=1)))
 
+    # -- what defines a fit -----------------------------------------------------------
+
+    def _fingerprint(self, state, static, theta0, K, tol, grad_tol) -> dict:
+        """What a checkpoint must match to be resumed: the settings, checksums of the
+        inputs, and hashes of the traced loss (f_jax, to_params, transform, loss, the
+        replay) and of the traced optimizer update (its kind and constants, such as
+        the learning rate). `steps` is not part of it: it is a cap."""
+        B = state.active.shape[0]
+        cfg, prob = self.config, self.problem
+        mesh = None
+        if state.mesh is not None:  # a fixed width: the hash must not depend on a record
+            mesh = self._mesh(dict(jax.tree.map(_abstract, state.mesh),
+                                   h=jax.ShapeDtypeStruct((prob.n, 8), state.mesh["h"].dtype)))
+        losses = functools.partial(self._losses, static=static, K=K)
+        loss_jaxpr = jax.make_jaxpr(lambda u, m, d: losses(u, mesh=m, data=d))(
+            _abstract(state.u), mesh, _abstract(self.data))
+        opt_jaxpr = jax.make_jaxpr(jax.vmap(self.optimizer.update))(
+            _abstract(state.u), _abstract(state.opt_state), _abstract(state.u))
+        return {
+            "problem": prob.name, "t_span": [float(t) for t in prob.t_span],
+            "y0": checksum(prob.y0)[:16], "method": cfg.method, "rtol": cfg.rtol,
+            "atol": cfg.atol, "max_steps": cfg.max_steps, "engine": self.engine,
+            "dt0": None if cfg.dt0 is None else checksum(np.asarray(cfg.dt0))[:16],
+            "ts": None if cfg.ts is None else [float(t) for t in cfg.ts],
+            "dtype": str(prob.y0.dtype), "B": int(B), "K": int(K),
+            "refresh_every": self.refresh_every, "drift_every": self.drift_every,
+            "drift_tol": self.drift_tol, "tol": tol, "grad_tol": grad_tol,
+            "theta0": checksum(eqx.filter(theta0, eqx.is_array))[:16],
+            "data": checksum(self.data)[:16],
+            "loss": _jaxpr_hash(loss_jaxpr), "optimizer": _jaxpr_hash(opt_jaxpr)}
+
     # -- the loop -------------------------------------------------------------------
 
-    def _meta(self, B, K, steps, tol, grad_tol):
-        from .. import __version__
-        return {"gradsolve": __version__, "problem": self.problem.name,
-                "method": self.config.method, "rtol": self.config.rtol,
-                "atol": self.config.atol, "engine": self.engine, "B": B, "K": K,
-                "steps": steps, "tol": tol, "grad_tol": grad_tol,
-                "refresh_every": self.refresh_every, "drift_every": self.drift_every,
-                "dtype": str(self.problem.y0.dtype)}
-
-    def fit(self, theta0, steps=400, tol=None, grad_tol=None, progress=True, key=None):
+    def fit(self, theta0, steps=400, tol=None, grad_tol=None, progress=True, key=None,
+            resume=True):
         """Run the fits for up to `steps` updates each.
+
+        With `checkpoint_dir`, a directory holding a checkpoint of the same fit is
+        resumed from its newest good step (which is printed), and the fit's end -- and
+        an interruption -- are saved too. The same fit means the same fingerprint:
+        problem, data, theta0, tolerances, engine, refresh settings, `tol`/`grad_tol`,
+        and the traced loss and optimizer (a changed learning rate or loss counts); a
+        checkpoint of another fit is refused naming what changed. `steps` is a cap, not
+        part of the fit: a larger one extends a finished fit (fits stopped by the cap go
+        on; converged and failed ones stay so; `history` grows), bit for bit as one
+        uninterrupted run.
 
         Args:
             theta0: initial parameters (constrained space), leaves leading with B.
@@ -263,60 +321,102 @@ class Calibrator:
             grad_tol: ... or when its gradient norm (unconstrained space) is <= this.
             progress: show a progress bar with the loss range and converged count.
             key: a `jax.random` key kept (and checkpointed) with the fit state.
+            resume: False deletes the directory's checkpoints and starts over.
 
         Returns:
             A `FitResult`.
+
+        Raises:
+            KeyboardInterrupt: re-raised after saving a checkpoint of the work so far
+                (with `checkpoint_dir`) and printing how to resume.
         """
         B, K = self._check_theta(theta0, steps)
+        tol, grad_tol = _check_tol("tol", tol), _check_tol("grad_tol", grad_tol)
+        steps = int(steps)
         u0 = _transforms.apply(self.transform, theta0, "inverse")
+        _check_domain(self.transform, theta0, u0)
         u, static = eqx.partition(u0, eqx.is_inexact_array)
-        meta = self._meta(B, K, int(steps), tol, grad_tol)
-        state = self._initial_state(u, static, B, K, int(steps), key)
-        store = None
+        state = self._initial_state(u, static, B, K, steps, key)
+        store = resumed_from = meta = None
         if self.checkpoint_dir is not None:
+            meta = {"gradsolve": _version(),
+                    "fit": self._fingerprint(state, static, theta0, K, tol, grad_tol)}
+            json.dumps(meta)  # anything JSON cannot hold fails now, not at the first save
             store = Checkpoints(self.checkpoint_dir)
-            found = store.restore_latest(state._asdict(), functools.partial(_check_meta, meta))
-            if found is not None:
-                state = FitState(**found[1])
-        data = self.data
-        tol_a = None if tol is None else float(tol)
-        gtol = None if grad_tol is None else float(grad_tol)
-        cap = jnp.asarray(int(steps), jnp.int32)
-        done = int(state.update)  # counted on the host from here on
-        bar = _progress(progress, int(steps), done)
+            try:
+                if not resume:
+                    store.discard()
+                else:
+                    found = store.restore_latest(
+                        state._asdict(), functools.partial(_check_meta, meta["fit"],
+                                                           self.checkpoint_dir))
+                    if found is not None:
+                        resumed_from = found[0]
+                        state = _continued(FitState(**found[1]), steps)
+            except BaseException:
+                store.close()
+                raise
+        cap = jnp.asarray(steps, jnp.int32)
+        done = saved = int(state.update)
+        bar = _progress(progress, steps, done)
+        if resumed_from is not None:
+            _say(bar, f"gradsolve: resumed from checkpoint step {resumed_from} in "
+                      f"{self.checkpoint_dir} ({done} updates done, cap {steps})")
         try:
             while done < steps and bool(jnp.any(state.active)):
-                state = self._maybe_refresh(state, static, K, done)
-                state = self._update(state, static, self._mesh(state.mesh), data, tol_a,
-                                     gtol, cap)
-                state = state._replace(history=state.history.at[done].set(state.loss))
-                done += 1
-                if bar is not None:
-                    bar.update(1)
-                    loss = np.asarray(state.loss)
-                    finite = loss[np.isfinite(loss)]
-                    bar.set_postfix_str(
-                        f"loss {finite.min():.3g}..{finite.max():.3g}" if finite.size else
-                        "loss n/a", refresh=False)
-                    n_conv = int(np.sum(np.asarray(state.status) == FitStatus.CONVERGED))
-                    bar.set_description(f"converged {n_conv}/{B}")
+                new = self._step(self._maybe_refresh(state, static, K, done), static,
+                                 tol, grad_tol, cap)
+                new.history[done] = np.asarray(new.loss)
+                state, done = new, done + 1
+                _show(bar, state, B)
                 if store is not None and self.checkpoint_every and done % self.checkpoint_every == 0:
                     store.save(done, state._asdict(), meta)
+                    saved = done
+            if store is not None and saved != done:
+                store.save(done, state._asdict(), meta)
+                saved = done
+        except KeyboardInterrupt:
+            done = int(state.update)
+            how = "nothing saved (no checkpoint_dir)"
+            if store is not None:
+                if saved != done:
+                    try:
+                        store.save(done, state._asdict(), meta)
+                        saved = done
+                    except BaseException as e:  # noqa: BLE001 - a second Ctrl-C, a full disk
+                        how = f"saving it failed ({type(e).__name__}), the last step saved is {saved}"
+                if saved == done:
+                    how = (f"saved as step {done} in {self.checkpoint_dir}; run the same fit "
+                           f"again to resume (a larger steps= extends it)")
+            _say(bar, f"gradsolve: fit interrupted after {done} updates; {how}")
+            raise
         finally:
             if bar is not None:
                 bar.close()
             if store is not None:
                 store.close()
         theta = _transforms.apply(self.transform, eqx.combine(state.u, static), "forward")
-        return FitResult.from_state(state, theta, self.engine, FitStatus)
+        return FitResult.from_state(state, theta, self.engine, FitStatus,
+                                    resumed_from=resumed_from)
+
+    def _step(self, state, static, tol, grad_tol, cap):
+        """One compiled update; the host-side history stays out of the compiled code."""
+        new = self._update(state._replace(history=None, drift=None), static,
+                           self._mesh(state.mesh), self.data, tol, grad_tol, cap)
+        return new._replace(history=state.history, drift=state.drift)
 
     def _check_theta(self, theta0, steps):
-        if not isinstance(steps, (int, np.integer)) or steps < 1:
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
             raise ValueError(f"steps must be a positive integer, got {steps!r}")
-        leaves = [x for x in jax.tree.leaves(theta0) if eqx.is_array(x)]
-        if not leaves:
+        paths = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(theta0)
+                 if eqx.is_array(x) or isinstance(x, (np.ndarray, np.generic))]
+        if not paths:
             raise ValueError("theta0 must hold at least one array leaf leading with B")
-        sizes = {x.shape[0] if x.ndim else None for x in leaves}
+        for p, x in paths:
+            if not jnp.issubdtype(x.dtype, jnp.floating):
+                raise TypeError(f"theta0{jax.tree_util.keystr(p)} has dtype {x.dtype}; "
+                                f"fitted parameters must be floating point (e.g. 1.0, not 1)")
+        sizes = {np.shape(x)[0] if np.ndim(x) else None for _, x in paths}
         if len(sizes) != 1 or None in sizes:
             raise ValueError(f"every array leaf of theta0 must lead with the number of "
                              f"fits B; got leading sizes {sorted(map(str, sizes))}")
@@ -325,15 +425,49 @@ class Calibrator:
         if n % B:
             raise ValueError(f"the problem's n={n} trajectories do not split into B={B} "
                              f"fits of equal size")
-        for x in leaves:
-            if not np.all(np.isfinite(np.asarray(x))):
-                raise ValueError("theta0 holds non-finite values")
+        for p, x in paths:
+            bad = ~np.isfinite(np.asarray(x)).reshape(B, -1).all(axis=1)
+            if bad.any():
+                raise ValueError(f"theta0{jax.tree_util.keystr(p)} holds non-finite values "
+                                 f"(fits {np.flatnonzero(bad)[:10].tolist()})")
         if self.data is not None:
             for path, x in jax.tree_util.tree_leaves_with_path(self.data):
                 if np.shape(x)[:1] != (B,):
                     raise ValueError(f"data{jax.tree_util.keystr(path)} must lead with "
                                      f"B={B}, got shape {np.shape(x)}")
+        _transforms.check(self.transform, theta0)
+        self._check_to_params(theta0, n // B)
         return B, n // B
+
+    def _check_to_params(self, theta0, K):
+        """`to_params` on fit 0's theta, traced abstractly: every parameter the problem
+        has, each shaped for K trajectories (or as the problem's `Shared` value)."""
+        theta_b = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
+        what = "to_params(theta_b)" if self.to_params is not None else \
+            "theta_b broadcast to K (no to_params)"
+        try:
+            got = eqx.filter_eval_shape(
+                lambda th: self._full_params(jax.tree.map(
+                    lambda x: x[None] if eqx.is_array(x) else x, th), K), theta_b)
+        except Exception as e:
+            raise TypeError(f"{what} failed on fit 0's theta: {type(e).__name__}: "
+                            f"{e}") from e
+        want = jax.tree.map(
+            lambda x: x if _is_shared(x) else jax.ShapeDtypeStruct((K,) + x.shape[1:], x.dtype)
+            if eqx.is_array(x) else x, self.problem.params, is_leaf=_is_shared)
+        got, want = _array_shapes(got), _array_shapes(want)
+        if got != want:
+            missing = sorted(set(want) - set(got))
+            extra = sorted(set(got) - set(want))
+            wrong = [f"{k}: {got[k]} (expected {want[k]})" for k in sorted(set(got) & set(want))
+                     if got[k] != want[k]]
+            parts = ([f"missing {missing}"] if missing else []) + \
+                ([f"unexpected {extra}"] if extra else []) + \
+                ([f"wrong shape {', '.join(wrong)}"] if wrong else [])
+            raise ValueError(
+                f"{what} must give the K={K} trajectories of one fit the problem's "
+                f"parameters (leaves leading with K; gs.Shared ones as in the problem): "
+                + "; ".join(parts))
 
     def _initial_state(self, u, static, B, K, steps, key):
         mesh, ok = self._record(u, static, K)
@@ -343,9 +477,9 @@ class Calibrator:
         return FitState(
             u=u, opt_state=jax.vmap(self.optimizer.init)(u), active=active, status=status,
             steps=jnp.zeros(B, jnp.int32), loss=jnp.full(B, jnp.nan, dtype),
-            grad_norm=jnp.full(B, jnp.nan, dtype), history=jnp.full((steps, B), jnp.nan, dtype),
-            drift=jnp.full(steps, jnp.nan, dtype), update=jnp.asarray(0, jnp.int32),
-            refreshes=jnp.asarray(0, jnp.int32),
+            grad_norm=jnp.full(B, jnp.nan, dtype),
+            history=np.full((steps, B), np.nan, dtype), drift=np.full(steps, np.nan, dtype),
+            update=jnp.asarray(0, jnp.int32), refreshes=jnp.asarray(0, jnp.int32),
             key=jax.random.key_data(jax.random.key(0)) if key is None else jax.random.key_data(key),
             mesh=_mesh_arrays(mesh))
 
@@ -360,7 +494,7 @@ class Calibrator:
         fresh, ok = self._record(state.u, static, K, current.columns)
         if check:
             drift = self._drift(current, fresh, state.u, static, K)
-            state = state._replace(drift=state.drift.at[done].set(drift))
+            state.drift[done] = drift
             due = due or drift > self.drift_tol
         if not due:
             return state
@@ -371,12 +505,109 @@ class Calibrator:
             status=jnp.where(failed, FitStatus.RECORD_FAILED, state.status).astype(jnp.int32))
 
 
-def _check_meta(expected, found):
-    keys = [k for k in expected if found.get(k) != expected[k]]
+def _continued(state: FitState, steps: int) -> FitState:
+    """A restored state made ready for a cap of `steps`: the host history grown to
+    it, and fits that stopped only at the old cap running again."""
+    history, drift = np.asarray(state.history), np.asarray(state.drift)
+    rows = max(steps, history.shape[0])
+    grown = np.full((rows,) + history.shape[1:], np.nan, history.dtype)
+    grown[:history.shape[0]] = history
+    grown_drift = np.full(rows, np.nan, drift.dtype)
+    grown_drift[:drift.shape[0]] = drift
+    again = (state.status == FitStatus.STEP_CAP) & (state.steps < steps)
+    return state._replace(
+        history=grown, drift=grown_drift, active=state.active | again,
+        status=jnp.where(again, FitStatus.RUNNING, state.status).astype(state.status.dtype))
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
+                        if eqx.is_array(x) or isinstance(x, np.ndarray) else x, tree)
+
+
+def _array_shapes(tree) -> dict:
+    return {jax.tree_util.keystr(p): tuple(x.shape)
+            for p, x in jax.tree_util.tree_leaves_with_path(tree)
+            if isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)}
+
+
+def _jaxpr_hash(closed) -> str:
+    """A hash of a traced function: its equations (with the printed addresses of
+    Python objects removed) and its constants' bytes."""
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", str(closed.jaxpr))
+    return hashlib.sha256(text.encode() + checksum(closed.consts).encode()).hexdigest()[:16]
+
+
+_FINGERPRINT_NAMES = {
+    "loss": "the traced loss (loss, f_jax, to_params or transform)",
+    "optimizer": "the optimizer (its kind or its constants, e.g. the learning rate)",
+    "data": "the data", "theta0": "theta0", "y0": "the problem's y0"}
+
+
+def _check_meta(expected, directory, found):
+    stored = found.get("fit")
+    if not isinstance(stored, dict):
+        raise CheckpointMismatch(
+            f"the checkpoint in {directory} was written without a fit fingerprint (an "
+            f"older gradsolve); pass resume=False to start over, or use another "
+            f"checkpoint_dir")
+    keys = [k for k in expected if stored.get(k) != expected[k]]
     if keys:
-        diffs = ", ".join(f"{k}: checkpoint {found.get(k)!r} vs now {expected[k]!r}"
-                          for k in keys)
-        raise ValueError(f"the checkpoint does not match this fit ({diffs})")
+        diffs = ", ".join(
+            f"{_FINGERPRINT_NAMES[k]} changed" if k in _FINGERPRINT_NAMES else
+            f"{k}: checkpoint {stored.get(k)!r} vs now {expected[k]!r}" for k in keys)
+        raise CheckpointMismatch(
+            f"the checkpoint does not match this fit ({diffs}); resume with the same "
+            f"setup, use another checkpoint_dir, or pass resume=False to start over "
+            f"(deletes the checkpoints in {directory})")
+
+
+def _check_tol(name, value):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
+            or np.ndim(value) or not value >= 0:
+        raise ValueError(f"{name} must be None or a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_domain(transform, theta0, u0):
+    """Every theta0 value inside its transform's domain (a NaN in u names it)."""
+    for (p, x), t in zip(jax.tree_util.tree_leaves_with_path(theta0), jax.tree.leaves(u0)):
+        if not eqx.is_inexact_array(t):
+            continue
+        B = np.shape(t)[0]
+        bad = ~np.isfinite(np.asarray(t)).reshape(B, -1).all(axis=1)
+        if bad.any():
+            b = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"theta0{jax.tree_util.keystr(p)} of fit {b} ({np.asarray(x)[b]}) is "
+                f"outside the domain of its transform {_transforms.for_path(transform, p)} "
+                f"(fits {np.flatnonzero(bad)[:10].tolist()})")
+
+
+def _version():
+    from .. import __version__
+    return __version__
+
+
+def _show(bar, state, B):
+    if bar is None:
+        return
+    bar.update(1)
+    loss = np.asarray(state.loss)
+    finite = loss[np.isfinite(loss)]
+    bar.set_postfix_str(f"loss {finite.min():.3g}..{finite.max():.3g}" if finite.size
+                        else "loss n/a", refresh=False)
+    n_conv = int(np.sum(np.asarray(state.status) == FitStatus.CONVERGED))
+    bar.set_description(f"converged {n_conv}/{B}")
+
+
+def _say(bar, message):
+    if bar is not None:
+        bar.write(message, file=sys.stderr)
+    else:
+        print(message, file=sys.stderr)
 
 
 def _progress(enabled, total, initial):

@@ -1,19 +1,48 @@
 """Fit checkpoints with Orbax: the fit state as a pytree of arrays plus JSON
-metadata carrying a SHA-256 checksum of every saved leaf.
+metadata carrying the fit's fingerprint, every leaf's shape and dtype, and a SHA-256
+checksum of every saved leaf.
 
-Orbax writes each step to a temporary directory and renames it when complete, so
-an interrupted save never touches the previous step. What Orbax does not catch is a
-silently damaged finalised step (a flipped bit restores wrong values): the checksum
-does. `restore_latest` walks back from the newest step to the first one that loads
-AND verifies, warning about each one it skips.
+What a checkpoint directory guarantees:
+
+- **Atomic steps.** Orbax writes each step to a temporary directory and renames it
+  when complete, so an interrupted save (Ctrl-C, kill -9, a full disk) never touches
+  the previous step.
+- **Checksums.** A finalised step whose data were damaged afterwards (Orbax restores a
+  flipped bit silently) fails its checksum; only such a step -- unreadable, or failing
+  its checksum -- is set aside (renamed `<step>.damaged`), and the previous one is used.
+- **Stored shapes.** A step is restored with the shapes it was saved with (a mesh
+  widened by a refresh, a longer history), never against the shapes of a new start.
+- **Fingerprint.** The metadata say what defines the fit (see `Calibrator.fit`); a
+  checkpoint of another setup is refused naming what changed, never mixed in and
+  never set aside.
+- **One writer.** A lock file holds the writer's pid and host while a fit runs; a
+  second live writer is refused with both named. The lock is an advisory `flock`, so
+  the kernel releases it when its process dies: a dead writer's lock is taken over.
 """
 
+import contextlib
+import errno
 import hashlib
+import json
+import os
 import pathlib
+import socket
+import time
 import warnings
 
 import jax
 import numpy as np
+
+
+LOCK_NAME = "gradsolve.lock"
+
+
+class CheckpointLocked(RuntimeError):
+    """Another live process is writing to the same checkpoint directory."""
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint directory holds a fit with another setup."""
 
 
 def checksum(tree) -> str:
@@ -27,32 +56,107 @@ def checksum(tree) -> str:
     return digest.hexdigest()
 
 
+def shapes(tree) -> dict:
+    """`{leaf path: [shape, dtype]}`: what a step is restored against."""
+    return {jax.tree_util.keystr(p): [list(np.shape(x)), str(np.asarray(x).dtype)]
+            for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def check_directory(directory) -> pathlib.Path:
+    """`directory` made absolute (relative to the current directory, `~` expanded),
+    created if missing and probed for writing: a path that cannot hold checkpoints
+    fails here, when the Calibrator is built, not at the first save."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"checkpoint_dir must be a path (str or os.PathLike), got "
+                        f"{type(directory).__name__}")
+    path = pathlib.Path(directory).expanduser().absolute()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        kind = PermissionError if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) \
+            else ValueError
+        raise kind(f"checkpoint_dir {str(path)!r} cannot hold checkpoints: "
+                   f"{type(e).__name__}: {e.strerror or e}") from e
+    return path
+
+
+class _Lock:
+    """An exclusive `flock` on `<directory>/gradsolve.lock`, naming its owner."""
+
+    def __init__(self, directory: pathlib.Path):
+        import fcntl
+
+        self.path = directory / LOCK_NAME
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._fd)
+            self._fd = None
+            raise CheckpointLocked(
+                f"checkpoint_dir {str(directory)!r} is in use by another fit "
+                f"({_owner(self.path)}); one writer per directory: wait for it, stop it, "
+                f"or give this fit another checkpoint_dir") from None
+        owner = {"pid": os.getpid(), "host": socket.gethostname(),
+                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, json.dumps(owner).encode())
+        os.fsync(self._fd)
+
+    def release(self):
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+
+def _owner(path) -> str:
+    try:
+        owner = json.loads(pathlib.Path(path).read_text() or "{}")
+        return f"pid {owner['pid']} on host {owner['host']}, since {owner['since']}"
+    except (OSError, ValueError, KeyError):
+        return "owner unknown"
+
+
 def _skip(step, why):
-    warnings.warn(f"checkpoint step {step} {why}; falling back to an earlier step")
+    warnings.warn(f"checkpoint step {step} {why}; falling back to an earlier step",
+                  stacklevel=3)
     return None
 
 
 class Checkpoints:
-    """Save and restore fit states in `directory` (one Orbax step per update count).
+    """Save and restore fit states in `directory` (one Orbax step per update count),
+    holding the directory's lock from construction to `close()`.
 
     Args:
-        directory: where the steps live (created if missing).
+        directory: where the steps live (made absolute; created if missing).
         max_to_keep: how many steps to keep (>= 2, so there is a fallback).
+
+    Raises:
+        CheckpointLocked: another live process holds the directory.
     """
 
     def __init__(self, directory, max_to_keep=3):
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
-        self.directory = pathlib.Path(directory).absolute()
-        self.manager = ocp.CheckpointManager(
-            directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=max(2, int(max_to_keep)), enable_async_checkpointing=False,
-                cleanup_tmp_directories=True, create=True))
+        self.directory = check_directory(directory)
+        self._lock = _Lock(self.directory)
+        try:
+            self.manager = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=max(2, int(max_to_keep)), enable_async_checkpointing=False,
+                    cleanup_tmp_directories=True, create=True))
+        except BaseException:
+            self._lock.release()
+            raise
 
     def save(self, step: int, state, meta: dict):
-        meta = dict(meta, checksum=checksum(state), x64=bool(jax.config.jax_enable_x64))
+        meta = dict(meta, checksum=checksum(state), shapes=shapes(state),
+                    x64=bool(jax.config.jax_enable_x64))
         args = self._ocp.args
         self.manager.save(int(step), args=args.Composite(
             state=args.StandardSave(state), meta=args.JsonSave(meta)), force=True)
@@ -61,53 +165,85 @@ class Checkpoints:
     def steps(self):
         return sorted(self.manager.all_steps())
 
+    def discard(self):
+        """Delete every step (a fit started over with `resume=False`)."""
+        for step in self.steps():
+            self.manager.delete(step)
+        self.manager.reload()
+
     def restore_latest(self, like, check_meta):
         """The newest step that restores and verifies, as `(step, state, meta)`, or
-        None if the directory holds no step. `like` is a state of the right
-        structure; `check_meta(meta)` raises on a configuration mismatch (which is
-        never silently skipped)."""
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), like)
+        None if the directory holds no step.
+
+        `like` gives the structure (the shapes come from the step's metadata);
+        `check_meta(meta)` raises on a setup mismatch, which is never skipped. Only
+        steps that are unreadable or fail their checksum are set aside."""
         skipped = []
-        for step in reversed(self.steps()):
-            found = self._restore_step(step, abstract, check_meta)
-            if found is not None:
-                self._set_aside(skipped)
-                return (step,) + found
-            skipped.append(step)
-        self._set_aside(skipped)
-        return None
+        try:
+            for step in reversed(self.steps()):
+                found = self._restore_step(step, like, check_meta)
+                if found is not None:
+                    return (step,) + found
+                skipped.append(step)
+            return None
+        finally:
+            self._set_aside(skipped)
 
     def _set_aside(self, steps):
-        """Move damaged steps out of Orbax's sight (kept for inspection), so the
-        resumed fit can save those step numbers again."""
+        """Move damaged steps out of Orbax's sight (kept for inspection under a name
+        not used before), so the resumed fit can save those step numbers again."""
         for step in steps:
             path = self.directory / str(step)
-            if path.exists():
-                path.rename(self.directory / f"{step}.damaged")
+            if not path.exists():
+                continue
+            target, k = self.directory / f"{step}.damaged", 0
+            while target.exists():
+                k += 1
+                target = self.directory / f"{step}.damaged.{k}"
+            path.rename(target)
         if steps:
             self.manager.reload()
 
-    def _restore_step(self, step, abstract, check_meta):
+    def _abstract(self, like, meta):
+        """`like`'s structure with the step's stored shapes and dtypes; None when the
+        stored leaves do not match that structure."""
+        stored = meta.get("shapes")
+        paths = jax.tree_util.tree_leaves_with_path(like)
+        if not isinstance(stored, dict) or set(stored) != {
+                jax.tree_util.keystr(p) for p, _ in paths}:
+            return None
+        leaves = [jax.ShapeDtypeStruct(tuple(stored[jax.tree_util.keystr(p)][0]),
+                                       np.dtype(stored[jax.tree_util.keystr(p)][1]))
+                  for p, _ in paths]
+        return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+    def _restore_step(self, step, like, check_meta):
         """`(state, meta)` of one step, or None (with a warning) if it is damaged."""
         args = self._ocp.args
         try:
             meta = self.manager.restore(step, args=args.Composite(
                 meta=args.JsonRestore()))["meta"]
         except Exception as e:  # noqa: BLE001 - any damage means: try the previous
-            return _skip(step, f"unreadable ({type(e).__name__}: {e})")
+            return _skip(step, f"is unreadable ({type(e).__name__}: {e})")
+        if not isinstance(meta, dict):
+            return _skip(step, "has unreadable metadata")
         if meta.get("x64") and not jax.config.jax_enable_x64:
             raise ValueError("the checkpoint holds float64 state but jax_enable_x64 is "
                              "off: enable x64 before resuming")
         check_meta(meta)
+        abstract = self._abstract(like, meta)
+        if abstract is None:
+            return _skip(step, "holds arrays that do not match its own metadata")
         try:
             state = self.manager.restore(step, args=args.Composite(
                 state=args.StandardRestore(abstract)))["state"]
         except Exception as e:  # noqa: BLE001
-            return _skip(step, f"unreadable ({type(e).__name__}: {e})")
+            return _skip(step, f"is unreadable ({type(e).__name__}: {e})")
         if checksum(state) != meta.get("checksum"):
             return _skip(step, "fails its checksum (damaged data)")
         return state, meta
 
     def close(self):
-        self.manager.close()
+        with contextlib.suppress(Exception):
+            self.manager.close()
+        self._lock.release()

@@ -31,6 +31,7 @@ class FitResult:
         updates: loop iterations run.
         state: the final `FitState` (parameters in unconstrained space, optimizer
             state, mesh): what a checkpoint holds.
+        resumed_from: the checkpoint step this fit resumed from (None: a fresh start).
     """
 
     theta: Any
@@ -46,9 +47,10 @@ class FitResult:
     updates: int
     status_names: tuple = ()
     state: Any = None
+    resumed_from: int | None = None
 
     @classmethod
-    def from_state(cls, state, theta, engine, statuses):
+    def from_state(cls, state, theta, engine, statuses, resumed_from=None):
         status = np.asarray(state.status)
         drift = np.asarray(state.drift)
         return cls(
@@ -59,7 +61,7 @@ class FitResult:
             drift={int(i): float(drift[i]) for i in np.flatnonzero(np.isfinite(drift))},
             engine=engine, updates=int(state.update),
             status_names=tuple(statuses(int(s)).name.lower() for s in status),
-            state=state)
+            state=state, resumed_from=resumed_from)
 
     def table(self, true=None, names=None) -> str:
         """A recovered-vs-true table of the scalar-per-fit leaves of theta."""

@@ -79,12 +79,46 @@ def _is_transform(x):
     return isinstance(x, Transform)
 
 
+def _is_node(v):
+    return v is None or _is_transform(v)
+
+
 def apply(transforms, tree, direction):
     """Map `tree` through `transforms` (a matching pytree of `Transform`s, a single
-    `Transform` for every leaf, or None for the identity)."""
+    `Transform` for every leaf, or None for the identity). Leaves that are not arrays
+    (an MLP's activation, say) pass through."""
     if transforms is None:
         return tree
+
+    def one(t, x):
+        if t is None:
+            return x
+        return jax.tree.map(lambda v: getattr(t, direction)(v) if eqx.is_array(v) else v, x)
     if isinstance(transforms, Transform):
-        return jax.tree.map(lambda x: getattr(transforms, direction)(x), tree)
-    return jax.tree.map(lambda t, x: x if t is None else getattr(t, direction)(x),
-                        transforms, tree, is_leaf=lambda v: v is None or _is_transform(v))
+        return one(transforms, tree)
+    return jax.tree.map(one, transforms, tree, is_leaf=_is_node)
+
+
+def check(transforms, theta):
+    """Refuse a transform tree that does not match `theta`, naming the keys."""
+    if transforms is None or isinstance(transforms, Transform):
+        return
+    try:
+        jax.tree.map(lambda t, x: None, transforms, theta, is_leaf=_is_node)
+    except (ValueError, TypeError) as e:
+        have = [jax.tree_util.keystr(p) for p, _ in
+                jax.tree_util.tree_flatten_with_path(transforms, is_leaf=_is_node)[0]]
+        raise ValueError(
+            f"transform must be one Transform, None, or a pytree with theta0's structure "
+            f"(None where a leaf is not transformed); transform has leaves {have}, theta0 "
+            f"has structure {jax.tree.structure(theta)} ({e})") from None
+
+
+def for_path(transforms, path) -> Transform:
+    """The transform acting on the leaf of theta at `path`."""
+    if transforms is None or isinstance(transforms, Transform):
+        return transforms or Identity()
+    for p, t in jax.tree_util.tree_flatten_with_path(transforms, is_leaf=_is_node)[0]:
+        if tuple(path[:len(p)]) == tuple(p):
+            return t or Identity()
+    return Identity()
