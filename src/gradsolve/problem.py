@@ -69,6 +69,8 @@ class EnsembleProblem(eqx.Module):
         y0: initial states, shape `(n, d)`, floating point, finite.
         params: a pytree whose array leaves lead with `n`, except subtrees wrapped in
             `gs.Shared(...)`, common to all trajectories. `None` for no parameters.
+            Callable leaves (an Equinox MLP's activation) are code, not data: they
+            pass to every trajectory as they are.
         t_span: `(t0, t1)` with `t1 > t0`, shared by all trajectories.
         stiff: whether the problem is stiff (selects a stiff method).
         name: a name for results, checkpoints and the router's reports.
@@ -180,6 +182,8 @@ def _validate(prob: EnsembleProblem):
         if _is_shared(leaf):
             _check_finite(leaf.value, where)
             continue
+        if _is_code(leaf):
+            continue
         if not eqx.is_array(leaf):
             raise TypeError(
                 f"{where} must be an array leading with n={n} (wrap values common to "
@@ -190,6 +194,14 @@ def _validate(prob: EnsembleProblem):
                 f"n={n} (wrap values common to all trajectories in gs.Shared)")
         _check_finite(leaf, where)
     _check_field_shape(prob)
+
+
+def _is_code(leaf) -> bool:
+    """A callable leaf that is not an array (an Equinox MLP's activation function):
+    code carried inside the parameters, the same for every trajectory. `param_axes`
+    and `trajectory_params` pass it on unbatched, and every transformation that
+    parameters cross sees only their arrays (`eqx.filter_*`, `eqx.partition`)."""
+    return callable(leaf) and not eqx.is_array(leaf)
 
 
 def _check_finite(tree, where):

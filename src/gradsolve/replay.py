@@ -9,6 +9,7 @@ zero step is the identity, so padding costs work but never changes a result.
 
 import functools
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -30,8 +31,8 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
         ts: optional 1-D array of output times inside `t_span`. Each output is
             INTEGRATED: one extra plain step from the last mesh point at or before it,
             not an interpolation.
-        remat: wrap the step in `jax.checkpoint` (default: on for non-stiff methods,
-            and for stiff ones from 16 variables on).
+        remat: recompute the step in the backward sweep (`eqx.filter_checkpoint`;
+            default: on for non-stiff methods, and for stiff ones from 16 variables on).
         interpolate: serve `ts` from the method's continuous extension on the mesh
             step containing each time (Rodas5P), instead of an extra integrated step.
 
@@ -69,7 +70,9 @@ def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False):
     step = jax.vmap(functools.partial(method.plain_step, f), in_axes=(0, 1, 0, axes),
                     out_axes=1)
     if remat:
-        step = jax.checkpoint(step)
+        # Filtered: parameters may hold non-array leaves (an MLP's activation), which
+        # `jax.checkpoint` cannot take as inputs.
+        step = eqx.filter_checkpoint(step)
     h = jax.lax.stop_gradient(mesh.h).astype(y0.dtype)
     t = jax.lax.stop_gradient(mesh.t0).astype(y0.dtype) + jnp.zeros_like(h[:, 0])
 

@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import math
 
+import equinox as eqx
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
@@ -287,8 +288,8 @@ def _flat(params):
     flat = []
     for leaf in jax.tree.leaves(params, is_leaf=is_shared):
         if is_shared(leaf):
-            flat += [(x, True) for x in jax.tree.leaves(leaf.value)]
-        else:
+            flat += [(x, True) for x in jax.tree.leaves(leaf.value) if eqx.is_array(x)]
+        elif eqx.is_array(leaf):  # not code (an MLP's activation): it is traced
             flat.append((leaf, False))
     return flat
 
@@ -296,8 +297,8 @@ def _flat(params):
 def _one_trajectory(params):
     """Trajectory 0's parameters, shared ones unwrapped."""
     is_shared = lambda x: isinstance(x, Shared)
-    return jax.tree.map(lambda x: x.value if is_shared(x) else jnp.asarray(x)[0], params,
-                        is_leaf=is_shared)
+    return jax.tree.map(lambda x: x.value if is_shared(x) else x[0] if eqx.is_array(x) else x,
+                        params, is_leaf=is_shared)
 
 
 def layout(params) -> tuple:
@@ -337,7 +338,10 @@ def _inputs(one, shared, d):
 
 
 def _function(name, f, t, y, one, shared, d, result_type, size):
-    closed = jax.make_jaxpr(f)(t, y, one)
+    # Only the parameters' arrays are jaxpr inputs; code leaves (an activation
+    # function) are closed over, so they are traced into the jaxpr like f itself.
+    one, code = eqx.partition(one, eqx.is_array)
+    closed = jax.make_jaxpr(lambda t, y, a: f(t, y, eqx.combine(a, code)))(t, y, one)
     builder = _Builder()
     outs = _eval(builder, closed.jaxpr, closed.consts, _inputs(one, shared, d))
     out = np.asarray(outs[0], dtype=object)
