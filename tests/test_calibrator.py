@@ -1,9 +1,12 @@
 """The Calibrator: B independent fits, convergence and freezing, isolation of
 non-finite fits, checkpoints that resume bit for bit and survive damage."""
 
+import os
 import pathlib
+import re
 import sys
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +17,9 @@ import gradsolve as gs
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "recipes"))
 import lorenz_rho  # noqa: E402
+import fit_worker  # noqa: E402
+from fit_worker import interrupting  # noqa: E402
+from gradsolve.mesh import padded_width  # noqa: E402
 
 
 B, K = 8, 4
@@ -94,19 +100,6 @@ def test_a_fit_whose_record_fails_is_frozen(lorenz):
     assert np.all(np.asarray(res.steps)[np.arange(B) != 5] == 5)
 
 
-def _interrupting(cal, after):
-    update = cal._update
-    calls = {"n": 0}
-
-    def wrapped(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] > after:
-            raise KeyboardInterrupt("simulated interruption")
-        return update(*args, **kwargs)
-    cal._update = wrapped
-    return cal
-
-
 def _assert_same_state(a, b):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -116,7 +109,7 @@ def test_resume_is_bit_identical(lorenz, tmp_path):
     kw = dict(refresh_every=15)
     straight = calibrator(lorenz, **kw).fit(THETA0, steps=50, progress=False)
     ckpt = tmp_path / "fit"
-    cal = _interrupting(calibrator(lorenz, checkpoint_dir=ckpt, checkpoint_every=10, **kw), 27)
+    cal = interrupting(calibrator(lorenz, checkpoint_dir=ckpt, checkpoint_every=10, **kw), 27)
     with pytest.raises(KeyboardInterrupt):
         cal.fit(THETA0, steps=50, progress=False)
     resumed = calibrator(lorenz, checkpoint_dir=ckpt, checkpoint_every=10, **kw).fit(
@@ -140,7 +133,7 @@ def _flip_a_byte(step_dir):
 def test_damaged_latest_checkpoint_falls_back(lorenz, tmp_path):
     ckpt = tmp_path / "fit"
     straight = calibrator(lorenz).fit(THETA0, steps=40, progress=False)
-    cal = _interrupting(calibrator(lorenz, checkpoint_dir=ckpt, checkpoint_every=10), 31)
+    cal = interrupting(calibrator(lorenz, checkpoint_dir=ckpt, checkpoint_every=10), 31)
     with pytest.raises(KeyboardInterrupt):
         cal.fit(THETA0, steps=40, progress=False)
     # The interruption saved step 31 after 10, 20, 30: flip one byte in the largest
@@ -246,3 +239,182 @@ def test_float64_checkpoint_is_refused_without_x64(tmp_path):
     second = run("x32")
     assert "REFUSED: the checkpoint holds float64 state but jax_enable_x64 is off" in \
         second.stdout, second.stdout + second.stderr
+
+
+# -- inputs a fit refuses before any work, naming what is wrong --------------------
+
+def _rates(**kw):
+    """Two fits of two decaying trajectories each; theta = {"k": (2,)}."""
+    prob = gs.EnsembleProblem(f_jax=lambda t, y, p: -p["k"] * y, y0=jnp.ones((4, 1)),
+                              params={"k": jnp.ones(4)}, t_span=(0.0, 1.0))
+    kw.setdefault("optimizer", optax.adam(0.1))
+    return gs.Calibrator(prob, lambda ys, th, d: jnp.sum((ys - d) ** 2),
+                         data=jnp.full((2, 2, 1), 0.5), **kw)
+
+
+P, BD = gs.transforms.Positive(), gs.transforms.Bounded(0.5, 2.0)
+
+
+@pytest.mark.parametrize("theta0,kw,error,match", [
+    ({"k": jnp.array([1, 2])}, {}, TypeError, r"theta0\['k'\] has dtype int"),
+    ({"k": jnp.array([1.0, -1.0])}, dict(transform=P), ValueError,
+     r"theta0\['k'\] of fit 1 \(-1.0\) is outside the domain of its transform Positive"),
+    ({"k": jnp.array([1.0, 3.0])}, dict(transform={"k": BD}), ValueError,
+     r"of fit 1 \(3.0\) is outside the domain of its transform Bounded"),
+    ({"k": jnp.ones(2)}, dict(transform={"rate": P}), ValueError,
+     r"transform has leaves \[\"\['rate'\]\"\]"),
+    ({"k": jnp.ones(2)}, dict(to_params=lambda th: {"k": jnp.full(3, th["k"])}),
+     ValueError, re.escape("wrong shape ['k']: (3,) (expected (2,))")),
+    ({"k": jnp.ones(2)}, dict(to_params=lambda th: {"rate": jnp.full(2, th["k"])}),
+     ValueError, re.escape("""missing ["['k']"]; unexpected ["['rate']"]""")),
+    ({"k": jnp.ones(2)}, dict(to_params=lambda th: th["nope"]), TypeError,
+     r"to_params\(theta_b\) failed on fit 0's theta: KeyError"),
+])
+def test_bad_fit_inputs_are_named(theta0, kw, error, match):
+    # These used to give NaN fits silently, or JAX's words from inside vmap.
+    with pytest.raises(error, match=match):
+        _rates(**kw).fit(theta0, steps=2, progress=False)
+
+
+@pytest.mark.parametrize("tol", ["1e-3", -1.0, jnp.ones(2)])
+def test_bad_tolerances_of_a_fit_are_refused(tol):
+    with pytest.raises(ValueError, match="tol must be None or a number >= 0"):
+        _rates().fit({"k": jnp.ones(2)}, steps=2, tol=tol, progress=False)
+
+
+def _unwritable(tmp_path):
+    """A directory this process cannot write: read-only by mode, or (as root, who
+    writes through modes) one on a read-only filesystem."""
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        return ro / "fit"
+    return pathlib.Path("/sys/fs/gradsolve-test/fit")
+
+
+def test_checkpoint_settings_fail_when_built_not_at_the_first_save(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="a-file/fit' cannot hold checkpoints"):
+        _rates(checkpoint_dir=blocker / "fit", checkpoint_every=2)
+    with pytest.raises(PermissionError, match="cannot hold checkpoints"):
+        _rates(checkpoint_dir=_unwritable(tmp_path), checkpoint_every=2)
+    with pytest.warns(UserWarning, match="without checkpoint_every: the fit is saved only "
+                                         "when it ends"):
+        cal = _rates(checkpoint_dir=tmp_path / "fit")
+    # A NumPy scalar tolerance used to fail the JSON metadata at the first save.
+    res = cal.fit({"k": jnp.ones(2)}, steps=3, tol=np.float32(1e-12), progress=False)
+    assert res.updates == 3
+    assert sorted(p.name for p in (tmp_path / "fit").iterdir() if p.name.isdigit()) == ["3"]
+
+
+class _Compiles:
+    """Counts XLA compilations (JAX's own monitoring event) inside a `with`."""
+
+    def __init__(self):
+        self.n = 0
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.n += 1
+
+    def __enter__(self):
+        self.n = 0
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+def test_a_new_steps_value_compiles_nothing(tmp_path):
+    # Every new `steps` value used to recompile the fit (~100x the fit's compute).
+    cal = fit_worker.calibrator(refresh_every=None)
+    cal.fit(fit_worker.THETA0, steps=5, progress=False)
+    with _Compiles() as compiles:
+        res = cal.fit(fit_worker.THETA0, steps=9, progress=False)
+    assert res.updates == 9 and compiles.n == 0
+    # Extending a finished fit from its checkpoint compiles nothing new either.
+    ckpt = tmp_path / "fit"
+    cal = fit_worker.calibrator(ckpt, checkpoint_every=5, refresh_every=None)
+    cal.fit(fit_worker.THETA0, steps=5, progress=False)
+    with _Compiles() as compiles:
+        res = cal.fit(fit_worker.THETA0, steps=11, progress=False)
+    assert res.resumed_from == 5 and res.updates == 11 and compiles.n == 0
+
+
+def test_mesh_widths_are_few_and_tight():
+    # A mesh that widens on refresh lands on one of at most four widths per doubling
+    # (so a fit compiles its update a few times), and pads by at most 25%.
+    widths = [padded_width(c) for c in range(1, 1025)]
+    assert all(w >= c for c, w in zip(range(1, 1025), widths))
+    assert max(w / c for c, w in zip(range(9, 1025), widths[8:])) <= 1.25
+    for lo in (8, 16, 32, 64, 128, 256, 512):
+        assert len({w for w in widths if lo < w <= 2 * lo}) == 4
+
+
+# -- gradients the Calibrator takes ------------------------------------------------
+
+def test_calibrator_gradient_through_transform_and_to_params_is_exact():
+    # y' = -k y with fit b's two trajectories at rates c k (c = 1, 2), theta = exp(u):
+    # L = sum_c (exp(-c k) - d_c)^2 and dL/du = sum_c 2 (y_c - d_c) (-c) y_c k in
+    # closed form. One SGD step of rate 1 gives g = u0 - u1. The replay's gradient is
+    # exact for its mesh; the mesh's own error (rtol 1e-10) bounds the difference:
+    # measured 2e-10 relative, bound 1e-8.
+    c = jnp.array([1.0, 2.0])
+    k0, d = jnp.array([0.7, 1.6]), jnp.array([[0.3, 0.1], [0.2, 0.05]])
+    prob = gs.EnsembleProblem(f_jax=lambda t, y, k: -k * y, y0=jnp.ones((4, 1)),
+                              params=jnp.ones(4), t_span=(0.0, 1.0))
+    cal = gs.Calibrator(prob, lambda ys, k, d: jnp.sum((ys[:, 0] - d) ** 2), data=d,
+                        to_params=lambda k: k * c, transform=gs.transforms.Positive(),
+                        optimizer=optax.sgd(1.0), rtol=1e-10, atol=1e-12)
+    res = cal.fit(k0, steps=1, progress=False)
+    g = np.log(np.asarray(k0)) - np.asarray(res.state.u)
+    y = np.exp(-np.asarray(k0)[:, None] * np.asarray(c))
+    exact = np.sum(2 * (y - np.asarray(d)) * (-np.asarray(c)) * y, axis=1) * np.asarray(k0)
+    np.testing.assert_allclose(g, exact, rtol=1e-8)
+
+
+def _mlp(key, activation):
+    return eqx.nn.MLP(2, 2, 8, 2, activation=activation, key=key)
+
+
+def _neural_problem(n):
+    def f(t, y, p):
+        return -y + 0.5 * p["mlp"](y)
+    params = {"mlp": gs.Shared(_mlp(jax.random.key(0), jax.nn.softplus))}
+    y0 = jnp.stack([jnp.linspace(-1.0, 1.0, n), jnp.linspace(1.0, 0.5, n)], axis=1)
+    return gs.EnsembleProblem(f_jax=f, y0=y0, params=params, t_span=(0.0, 1.0),
+                              name="neural")
+
+
+@pytest.mark.parametrize("activation,B", [(jax.nn.softplus, 1), (jax.nn.relu, 2)])
+def test_neural_fields_fit_on_defaults(activation, B):
+    # An Equinox MLP right-hand side on the non-stiff path (Tsit5, remat on by
+    # default): as gs.Shared with one fit, and as per-fit MLPs (vmapped) with B = 2.
+    # These crashed in jax.checkpoint / dtype inference on the activation leaf (the
+    # engines' own MLP tests, tanh included, are in test_neural.py). The fit must run,
+    # stay finite and lower the loss; with remat off it computes the same numbers
+    # (recomputation changes no arithmetic: measured equal to the last bit; bound 1e-12).
+    K = 3
+    prob = _neural_problem(B * K)
+    data = jnp.full((B, K, 2), 0.3)
+    theta0 = eqx.filter_vmap(lambda k: _mlp(k, activation))(jax.random.split(jax.random.key(1), B))
+    if B == 1:
+        to_params = lambda mlp: {"mlp": gs.Shared(mlp)}  # noqa: E731
+    else:  # per-fit networks: each trajectory carries its fit's copy (leaves lead with n)
+        to_params = lambda mlp: {"mlp": jax.tree.map(  # noqa: E731
+            lambda x: jnp.broadcast_to(x, (K,) + x.shape) if eqx.is_array(x) else x, mlp)}
+        prob = prob.replace(params={"mlp": eqx.filter_vmap(lambda k: _mlp(k, activation))(
+            jax.random.split(jax.random.key(1), B * K))})
+    loss = lambda ys, mlp, d: jnp.mean((ys - d) ** 2)  # noqa: E731
+    results = [gs.Calibrator(prob, loss, to_params=to_params, data=data,
+                             optimizer=optax.adam(1e-2), remat=remat).fit(
+                                 theta0, steps=10, progress=False)
+               for remat in ((None, False) if B == 1 else (None,))]
+    res = results[0]
+    assert res.engine == "general_replay"
+    assert np.all(np.isfinite(res.history)) and np.all(res.loss < res.history[0] * 0.9)
+    for other in results[1:]:
+        np.testing.assert_allclose(other.history, res.history, rtol=1e-12, atol=0)

@@ -16,3 +16,7 @@ from .status import Status as Status, TrajectoryFailure as TrajectoryFailure
 
 
 __version__ = "0.1.0"
+
+from . import _compilation_cache  # noqa: E402
+
+_compilation_cache.enable()

@@ -74,9 +74,10 @@ class Mesh(eqx.Module):
             raise ValueError(f"columns must be >= {self.columns}, got {columns}")
         if extra == 0:
             return self
-        # NumPy, not jnp.pad: an eager jnp op would compile once per pair of widths.
+        # NumPy and device_put: jnp.pad (and even jnp.asarray) would compile once per
+        # pair of widths.
         h = np.pad(np.asarray(self.h), ((0, 0), (0, extra)))
-        return eqx.tree_at(lambda m: m.h, self, jnp.asarray(h))
+        return eqx.tree_at(lambda m: m.h, self, jax.device_put(h))
 
     def widened(self, columns: int = 0) -> "Mesh":
         """Padded to the smallest of a few fixed widths that holds `columns` and S: a

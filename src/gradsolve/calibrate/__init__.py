@@ -1,7 +1,9 @@
 """Calibration: B concurrent Optax fits on the recorded mesh, with checkpoints."""
 
 from . import _transforms as transforms
+from ._checkpoint import CheckpointLocked as CheckpointLocked
+from ._checkpoint import CheckpointMismatch as CheckpointMismatch
 from ._calibrator import Calibrator as Calibrator, FitState as FitState, FitStatus as FitStatus
 from ._result import FitResult as FitResult
 
-__all__ = ["Calibrator", "FitResult", "FitState", "FitStatus", "transforms"]
+__all__ = ["Calibrator", "CheckpointLocked", "CheckpointMismatch", "FitResult", "FitState", "FitStatus", "transforms"]

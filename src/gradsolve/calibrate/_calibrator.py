@@ -507,17 +507,21 @@ class Calibrator:
 
 def _continued(state: FitState, steps: int) -> FitState:
     """A restored state made ready for a cap of `steps`: the host history grown to
-    it, and fits that stopped only at the old cap running again."""
-    history, drift = np.asarray(state.history), np.asarray(state.drift)
-    rows = max(steps, history.shape[0])
-    grown = np.full((rows,) + history.shape[1:], np.nan, history.dtype)
-    grown[:history.shape[0]] = history
-    grown_drift = np.full(rows, np.nan, drift.dtype)
-    grown_drift[:drift.shape[0]] = drift
+    it, and fits that stopped only at the old cap running again. In NumPy, and handed
+    back as fresh (uncommitted) arrays: Orbax's arrays are committed to a device,
+    which `jit` keys apart, so they would recompile the update once more."""
+    state = jax.tree.map(np.asarray, state)
+    rows = max(steps, state.history.shape[0])
+    history = np.full((rows,) + state.history.shape[1:], np.nan, state.history.dtype)
+    history[:state.history.shape[0]] = state.history
+    drift = np.full(rows, np.nan, state.drift.dtype)
+    drift[:state.drift.shape[0]] = state.drift
     again = (state.status == FitStatus.STEP_CAP) & (state.steps < steps)
-    return state._replace(
-        history=grown, drift=grown_drift, active=state.active | again,
-        status=jnp.where(again, FitStatus.RUNNING, state.status).astype(state.status.dtype))
+    state = state._replace(active=state.active | again,
+                           status=np.where(again, FitStatus.RUNNING, state.status)
+                           .astype(state.status.dtype))
+    # device_put, not jnp.asarray: the latter compiles a copy per shape in this JAX.
+    return jax.device_put(state)._replace(history=history, drift=drift)
 
 
 def _abstract(tree):

@@ -212,9 +212,10 @@ class Checkpoints:
         if not isinstance(stored, dict) or set(stored) != {
                 jax.tree_util.keystr(p) for p, _ in paths}:
             return None
-        leaves = [jax.ShapeDtypeStruct(tuple(stored[jax.tree_util.keystr(p)][0]),
-                                       np.dtype(stored[jax.tree_util.keystr(p)][1]))
-                  for p, _ in paths]
+        # NumPy targets: Orbax then restores to host arrays without compiling a copy
+        # per shape (its device path jits one per leaf shape).
+        leaves = [np.empty(tuple(stored[jax.tree_util.keystr(p)][0]),
+                           np.dtype(stored[jax.tree_util.keystr(p)][1])) for p, _ in paths]
         return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
     def _restore_step(self, step, like, check_meta):

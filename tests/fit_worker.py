@@ -1,0 +1,99 @@
+"""A small checkpointed fit, run as a separate process by the checkpoint tests.
+
+    python tests/fit_worker.py CHECKPOINT_DIR OUT.npz [--steps N] [--barrier DIR]
+
+Four decay rates k (y' = -k y, two trajectories per fit at k and 2k) are fitted
+from k = 1 towards k = 6..12 with the mesh re-recorded every 3 updates: as k grows
+the mesh widens, so a resume must restore shapes that differ from a fresh start's.
+The final state's leaves are written to OUT.npz. With `--barrier DIR`, the process
+waits until two processes have arrived there before it starts the fit (the
+concurrent-writer test). Exit code 3 and a line `LOCKED: ...` when another live
+process holds the checkpoint directory.
+"""
+
+import argparse
+import pathlib
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import gradsolve as gs  # noqa: E402
+
+
+B, K = 4, 2
+K_TRUE = jnp.array([6.0, 8.0, 10.0, 12.0])
+
+
+RATES = jnp.array([1.0, 2.0])
+DATA = jnp.exp(-K_TRUE[:, None] * RATES)[:, :, None]
+
+
+def squares(ys, k, d):
+    return jnp.sum((ys - d) ** 2)
+
+
+def calibrator(checkpoint_dir=None, checkpoint_every=None, loss=squares, data=DATA, **kw):
+    prob = gs.EnsembleProblem(f_jax=lambda t, y, k: -k * y, y0=jnp.ones((B * K, 1)),
+                              params=jnp.ones(B * K), t_span=(0.0, 1.0), name="decay")
+    kw.setdefault("optimizer", optax.adam(0.3))
+    kw.setdefault("refresh_every", 3)
+    return gs.Calibrator(
+        prob, loss, data=data, to_params=lambda k: k * RATES,
+        transform=gs.transforms.Positive(), rtol=1e-8, atol=1e-10,
+        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, **kw)
+
+
+def interrupting(cal, after):
+    """`cal` with its update raising KeyboardInterrupt (a simulated Ctrl-C) once it
+    has run `after` times."""
+    update = cal._update
+    calls = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > after:
+            raise KeyboardInterrupt("simulated interruption")
+        return update(*args, **kwargs)
+    cal._update = wrapped
+    return cal
+
+
+THETA0 = jnp.ones(B)
+
+
+def state_leaves(res):
+    return [np.asarray(x) for x in jax.tree.leaves(res.state._asdict())]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("checkpoint_dir")
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--barrier", default=None)
+    args = p.parse_args()
+    cal = calibrator(args.checkpoint_dir, checkpoint_every=1)
+    if args.barrier is not None:
+        barrier = pathlib.Path(args.barrier)
+        (barrier / str(__import__("os").getpid())).touch()
+        while len(list(barrier.iterdir())) < 2:
+            time.sleep(0.01)
+    print("ready", flush=True)
+    try:
+        res = cal.fit(THETA0, steps=args.steps, progress=False)
+    except gs.calibrate.CheckpointLocked as e:
+        print(f"LOCKED: {e}", flush=True)
+        sys.exit(3)
+    np.savez(args.out, *state_leaves(res))
+    print(f"done {res.updates} resumed_from {res.resumed_from}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
