@@ -329,6 +329,22 @@ class Calibrator:
         Raises:
             KeyboardInterrupt: re-raised after saving a checkpoint of the work so far
                 (with `checkpoint_dir`) and printing how to resume.
+            gs.calibrate.CheckpointMismatch: `checkpoint_dir` holds another fit.
+            gs.calibrate.CheckpointLocked: another live fit writes to `checkpoint_dir`.
+
+        Examples:
+            >>> import tempfile, jax.numpy as jnp, optax, gradsolve as gs
+            >>> prob = gs.EnsembleProblem(f_jax=lambda t, y, k: -k * y, y0=jnp.ones((2, 1)),
+            ...                           params=jnp.ones(2), t_span=(0.0, 1.0))
+            >>> run = tempfile.mkdtemp() + "/fit"
+            >>> def calibrator():
+            ...     return gs.Calibrator(prob, lambda ys, k, d: jnp.sum((ys - d) ** 2),
+            ...                          data=jnp.full((2, 1, 1), 0.5), optimizer=optax.adam(0.1),
+            ...                          checkpoint_dir=run, checkpoint_every=10)
+            >>> first = calibrator().fit(jnp.ones(2), steps=20, progress=False)
+            >>> more = calibrator().fit(jnp.ones(2), steps=30, progress=False)  # extends it
+            >>> more.resumed_from, more.updates, more.history.shape
+            (20, 30, (30, 2))
         """
         B, K = self._check_theta(theta0, steps)
         tol, grad_tol = _check_tol("tol", tol), _check_tol("grad_tol", grad_tol)
@@ -550,6 +566,9 @@ _FINGERPRINT_NAMES = {
 
 def _check_meta(expected, directory, found):
     stored = found.get("fit")
+    version = found.get("gradsolve")
+    written_by = "" if version == _version() else \
+        f"; it was written by gradsolve {version}, this is {_version()}"
     if not isinstance(stored, dict):
         raise CheckpointMismatch(
             f"the checkpoint in {directory} was written without a fit fingerprint (an "
@@ -561,9 +580,9 @@ def _check_meta(expected, directory, found):
             f"{_FINGERPRINT_NAMES[k]} changed" if k in _FINGERPRINT_NAMES else
             f"{k}: checkpoint {stored.get(k)!r} vs now {expected[k]!r}" for k in keys)
         raise CheckpointMismatch(
-            f"the checkpoint does not match this fit ({diffs}); resume with the same "
-            f"setup, use another checkpoint_dir, or pass resume=False to start over "
-            f"(deletes the checkpoints in {directory})")
+            f"the checkpoint does not match this fit ({diffs}{written_by}); resume with "
+            f"the same setup, use another checkpoint_dir, or pass resume=False to start "
+            f"over (deletes the checkpoints in {directory})")
 
 
 def _check_tol(name, value):
