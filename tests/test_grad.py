@@ -153,3 +153,40 @@ def test_diffrax_baseline_gradient_fails_loudly():
     vg = gs.value_and_grad(gs.problems.lorenz(n=3), loss, engine="diffrax", max_steps=16)
     with pytest.raises(RuntimeError, match="max_steps"):
         vg()
+
+
+@pytest.fixture(scope="module")
+def drained():
+    """y' = -a s sqrt(y), y(0) = 1: y = (1 - a s t / 2)^2 until it reaches 0 at
+    t = 2 / (a s). With s = 1 the last trajectory (a = 2.1) drains before t = 0.96 and
+    fails its record (the step into y < 0 makes sqrt NaN: DT_UNDERFLOW); `fused=True`
+    sends it to the fused recorder, the router's choice for registered fields."""
+    f = lambda t, y, p: -p["a"] * p["s"] * jnp.sqrt(y)
+    return gs.EnsembleProblem(
+        f_jax=f, y0=jnp.ones((4, 1)), params={"a": jnp.array([0.5, 1.0, 1.5, 2.1]),
+                                              "s": gs.Shared(jnp.array(1.0))},
+        t_span=(0.0, 1.0), fused=True, name="drained")
+
+
+@pytest.mark.parametrize("engine,mode", [
+    (None, "reverse"), (None, "forward"), ("general_replay", "reverse")])
+def test_masked_trajectory_contributes_exactly_zero(drained, engine, mode):
+    # The masking rule (replay._replay): a failed trajectory's outputs are exact zeros
+    # whatever its record did, so sum(ys^2) gets nothing from it and no gradient -- its
+    # own or the Shared one -- sees it. The others against the closed form
+    # y(t) = (1 - a s t / 2)^2: the solve's global error at rtol 1e-6 (measured
+    # ~1e-6 relative), so 1e-5.
+    ts = jnp.array([0.5, 1.0])
+    loss = lambda ys, p: jnp.sum(ys ** 2)
+    vg = gs.value_and_grad(drained, loss, ts=ts, engine=engine, mode=mode,
+                           on_failure="mask")
+    assert vg.engine == (engine or "fused_replay")
+    np.testing.assert_array_equal(np.asarray(vg.mesh.status) == gs.Status.SUCCESS,
+                                  [True, True, True, False])
+    value, g = vg()
+    a, s = drained.params["a"][:3], 1.0
+    u = 1 - a[:, None] * s * ts[None] / 2                     # sqrt(y) at each ts
+    assert rel_err(value, jnp.sum(u ** 4)) < 1e-5
+    assert rel_err(g["a"][:3], jnp.sum(-2 * s * ts * u ** 3, axis=1)) < 1e-5
+    assert rel_err(g["s"].value, jnp.sum(-2 * a[:, None] * ts * u ** 3)) < 1e-5
+    assert g["a"][3] == 0.0

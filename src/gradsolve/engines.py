@@ -94,11 +94,10 @@ def _replay_ys_function(prob, cfg):
     method = methods.get(cfg.method)
 
     def ys_fn(mesh, params, y0):
-        ys = _replay(prob.f_jax, method, mesh, params, y0, cfg.ts, cfg.remat,
-                     cfg.interpolate)
-        # Failed trajectories (allowed by on_failure="mask") carry no gradient.
-        ok = (mesh.status == Status.SUCCESS).reshape((-1,) + (1,) * (ys.ndim - 1))
-        return jnp.where(ok, ys, jax.lax.stop_gradient(ys))
+        # Failed trajectories (allowed by on_failure="mask") are masked by the one
+        # rule in `replay._replay`: zero outputs, zero gradients.
+        return _replay(prob.f_jax, method, mesh, params, y0, cfg.ts, cfg.remat,
+                       cfg.interpolate, mask=True)
     return ys_fn
 
 

@@ -192,7 +192,11 @@ def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=
         fused: True forces the fused recorder (`fused_replay`); an error says why if
             the field has no fused form.
         on_failure: `"raise"` if a trajectory failed to record, or `"mask"` to
-            differentiate the others (failed ones contribute no gradient).
+            differentiate the others. The loss then sees exact zeros in place of a
+            failed trajectory's states (at every `ts`): they carry no gradient to
+            anything, its own inputs or `Shared` ones, and add `loss`'s value at
+            zero states (nothing, for a sum of squared states). Which trajectories
+            failed is in `vg.mesh.status`.
 
     Returns:
         A `gs.ValueAndGrad`: call it as `value, grads = vg(params=..., y0=...)`.

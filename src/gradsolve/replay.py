@@ -5,6 +5,10 @@ sizes enter behind `stop_gradient`: the replay is differentiated with the mesh h
 as data, which is the recorded-mesh convention (exact derivative of the replay on
 `sg[R(theta_0)]`, the same as Diffrax's checkpointed adjoint on the same mesh). A
 zero step is the identity, so padding costs work but never changes a result.
+
+The masking rule (`on_failure="mask"`) lives here too, once, for every replay engine:
+a trajectory whose record failed contributes exactly zero to the loss's gradients.
+See `_replay`'s `mask`.
 """
 
 import functools
@@ -18,6 +22,7 @@ from .config import check_interpolate, check_ts, default_remat
 from .mesh import Mesh
 from .problem import as_problem, param_axes
 from .record import field
+from .status import Status
 
 
 def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
@@ -61,7 +66,17 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
     return _replay(prob.f_jax, method, mesh, params, y0, ts, bool(remat), interpolate)
 
 
-def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False):
+def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False, mask=False):
+    """The replay. With `mask=True`, the masking rule: each trajectory whose
+    `mesh.status` is not SUCCESS is replayed on an all-zero mesh (no steps, and no
+    extra steps to `ts`), so it only ever evaluates `f_jax` at its own finite `y0`
+    where the record started, and its outputs are replaced by exact zeros. The loss
+    therefore sees zeros for a masked trajectory (at every output time): a constant,
+    so its gradient with respect to everything -- its own inputs and every `Shared`
+    parameter -- is exactly zero, and a loss of squared states gets exactly zero from
+    it. Zeroing the outputs alone would not do: a failed trajectory replayed on its
+    own mesh can go non-finite, and `where(ok, ys, ...)` passes NaN cotangents back
+    through the untaken branch (the double-where problem)."""
     f = field(f_jax)
     axes = param_axes(params)
     # The carry is laid out (d, n): each component of the ensemble is one contiguous
@@ -74,6 +89,12 @@ def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False):
         # `jax.checkpoint` cannot take as inputs.
         step = eqx.filter_checkpoint(step)
     h = jax.lax.stop_gradient(mesh.h).astype(y0.dtype)
+    n_steps = mesh.n_steps
+    ok = jnp.ones(h.shape[:1], bool)
+    if mask:
+        ok = mesh.status == Status.SUCCESS
+        h = jnp.where(ok[:, None], h, 0)
+        n_steps = jnp.where(ok, n_steps, 0)
     t = jax.lax.stop_gradient(mesh.t0).astype(y0.dtype) + jnp.zeros_like(h[:, 0])
 
     def column(carry, h_k):
@@ -86,18 +107,18 @@ def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False):
 
     (t_end, y_end), history = jax.lax.scan(column, (t, y0.T), h.T)
     if ts is None:
-        return y_end.T
+        return jnp.where(ok[:, None], y_end.T, 0)
     # States at every mesh point, (S + 1, d, n), then one extra step to each ts.
     t_all = jnp.concatenate([history[0], t_end[None]], axis=0)
     y_all = jnp.concatenate([history[1], y_end[None]], axis=0)
     ts = jnp.asarray(ts, y0.dtype)
     t_grid = jax.lax.stop_gradient(t_all).T                           # (n, S + 1)
     k = jax.vmap(lambda tg: jnp.searchsorted(tg, ts, side="right") - 1)(t_grid)
-    k = jnp.clip(jnp.minimum(k, mesh.n_steps[:, None]), 0, None).T    # (J, n)
+    k = jnp.clip(jnp.minimum(k, n_steps[:, None]), 0, None).T         # (J, n)
     cols = jnp.arange(h.shape[0])[None, :]
     y_base = jnp.moveaxis(y_all[k, :, cols], -1, 1)                   # (J, d, n)
     t_base = t_grid.T[k, cols]                                        # (J, n)
-    dt = ts[:, None] - t_base
+    dt = jnp.where(ok, ts[:, None] - t_base, 0)
     if interpolate:
         h_k = jnp.pad(h, ((0, 0), (0, 1))).T[k, cols]                  # (J, n), 0 at t_end
         theta = dt / jnp.where(h_k > 0, h_k, 1)
@@ -106,4 +127,4 @@ def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False):
         ys = jax.vmap(dense, in_axes=(0, 0, 0, 0, None))(t_base, y_base, h_k, theta, params)
     else:
         ys = jax.vmap(step, in_axes=(0, 0, 0, None))(t_base, y_base, dt, params)
-    return jnp.transpose(ys, (2, 0, 1))                               # (n, J, d)
+    return jnp.where(ok[:, None, None], jnp.transpose(ys, (2, 0, 1)), 0)  # (n, J, d)
