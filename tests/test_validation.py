@@ -34,10 +34,33 @@ def make(**changes):
     (dict(f_jax=lambda t, y, p: jnp.sum(y)), ValueError, r"f_jax must return dy/dt of shape \(2,\)"),
     (dict(f_jax=lambda t, y, p: y @ jnp.ones((3, 3))), TypeError, "f_jax.*failed on one trajectory"),
     (dict(stiff="yes"), TypeError, "stiff must be a bool"),
+    # The dtype rule: refused, naming both dtypes, not promoted (problem._check_dtypes).
+    (dict(y0=jnp.ones((4, 2), jnp.float32)), TypeError,
+     r"params\['k'\] has dtype float64 but y0 has float32"),
+    (dict(params={"k": jnp.ones(4, jnp.float32)}), TypeError,
+     r"params\['k'\] has dtype float32 but y0 has float64"),
+    (dict(params={"k": gs.Shared(jnp.ones((), jnp.float32))}), TypeError,
+     r"params\['k'\] has dtype float32 but y0 has float64"),
+    (dict(f_jax=lambda t, y, p: jnp.ones(2, jnp.int32)), TypeError,
+     "f_jax must return dy/dt of y0's dtype float64, got int32"),
+    (dict(f_jax=lambda t, y, p: y * (1 + 1j)), TypeError,
+     "f_jax must return dy/dt of y0's dtype float64, got complex128"),
 ])
 def test_bad_problem_is_refused(changes, error, match):
     with pytest.raises(error, match=match):
         make(**changes)
+
+
+def test_t_span_of_jax_scalars_is_stored_as_floats():
+    # t_span is static (compiled solves are keyed on it): JAX scalars, unhashable,
+    # used to pass validation and fail inside the first solve.
+    prob = make(t_span=(jnp.asarray(0.0), jnp.asarray(1.0)))
+    assert prob.t_span == (0.0, 1.0) and all(type(t) is float for t in prob.t_span)
+    ref = make()
+    np.testing.assert_array_equal(gs.solve(prob, engine="general").ys,
+                                  gs.solve(ref, engine="general").ys)
+    loss = lambda ys, p: jnp.sum(ys)
+    assert gs.value_and_grad(prob, loss)()[0] == gs.value_and_grad(ref, loss)()[0]
 
 
 def test_duck_typed_problem_is_validated_too():

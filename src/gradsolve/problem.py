@@ -70,8 +70,9 @@ class EnsembleProblem(eqx.Module):
         params: a pytree whose array leaves lead with `n`, except subtrees wrapped in
             `gs.Shared(...)`, common to all trajectories. `None` for no parameters.
             Callable leaves (an Equinox MLP's activation) are code, not data: they
-            pass to every trajectory as they are.
-        t_span: `(t0, t1)` with `t1 > t0`, shared by all trajectories.
+            pass to every trajectory as they are. Floating leaves have `y0`'s dtype.
+        t_span: `(t0, t1)` with `t1 > t0`, shared by all trajectories; stored as
+            Python floats (it is static: part of what a compiled solve is keyed on).
         stiff: whether the problem is stiff (selects a stiff method).
         name: a name for results, checkpoints and the router's reports.
         fused: translate this right-hand side into the fused (Warp) form even though
@@ -89,7 +90,7 @@ class EnsembleProblem(eqx.Module):
     f_jax: Callable = eqx.field(static=True)
     y0: jax.Array = eqx.field(converter=lambda x: _as_array(x, "y0"))
     params: Any
-    t_span: tuple[float, float] = eqx.field(static=True)
+    t_span: tuple[float, float] = eqx.field(static=True, converter=lambda x: _as_span(x))
     stiff: bool = eqx.field(static=True, default=False)
     name: str = eqx.field(static=True, default="problem")
     fused: bool = eqx.field(static=True, default=False)
@@ -125,6 +126,17 @@ def _as_array(x, where):
         return jnp.asarray(x)
     except (TypeError, ValueError) as e:
         raise TypeError(f"{where} must be an array, got {type(x).__name__}") from e
+
+
+def _as_span(t_span):
+    """`t_span` as a pair of Python floats (JAX or NumPy scalars are unhashable or
+    compare elementwise, and the span is static); anything else is left for
+    `_validate` to refuse by name."""
+    try:
+        t0, t1 = t_span
+        return (float(t0), float(t1))
+    except (TypeError, ValueError):
+        return t_span
 
 
 _MEMBERS = ("name", "f_jax", "y0", "params", "t_span", "stiff")
@@ -193,6 +205,7 @@ def _validate(prob: EnsembleProblem):
                 f"{where} has shape {leaf.shape}; per-trajectory parameters lead with "
                 f"n={n} (wrap values common to all trajectories in gs.Shared)")
         _check_finite(leaf, where)
+    _check_dtypes(prob)
     _check_field_shape(prob)
 
 
@@ -202,6 +215,20 @@ def _is_code(leaf) -> bool:
     and `trajectory_params` pass it on unbatched, and every transformation that
     parameters cross sees only their arrays (`eqx.filter_*`, `eqx.partition`)."""
     return callable(leaf) and not eqx.is_array(leaf)
+
+
+def _check_dtypes(prob: EnsembleProblem):
+    """The dtype rule, in one place: the ensemble is integrated in `y0`'s floating
+    dtype, and every floating parameter must already have it. Mixed dtypes are
+    refused, not promoted: promotion would silently move a float32 problem to
+    float64 (or the fused kernels would silently run float32 parameters)."""
+    dtype = prob.y0.dtype
+    for path, leaf in jax.tree_util.tree_leaves_with_path(unwrap_shared(prob.params)):
+        if eqx.is_inexact_array(leaf) and leaf.dtype != dtype:
+            raise TypeError(
+                f"params{jax.tree_util.keystr(path)} has dtype {leaf.dtype} but y0 has "
+                f"{dtype}: floating parameters must have y0's dtype (cast one of them, "
+                f"or pass dtype= to gs.solve)")
 
 
 def _check_finite(tree, where):
@@ -225,3 +252,6 @@ def _check_field_shape(prob: EnsembleProblem):
         raise ValueError(
             f"f_jax must return dy/dt of shape {y.shape} for one trajectory, got "
             f"{getattr(out, 'shape', type(out).__name__)}")
+    if out.dtype != y.dtype:
+        raise TypeError(
+            f"f_jax must return dy/dt of y0's dtype {y.dtype}, got {out.dtype}")
