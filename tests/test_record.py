@@ -107,3 +107,23 @@ def test_nonfinite_field_underflows_and_is_reported():
     assert status[0] == status[2] == gs.Status.SUCCESS
     assert status[1] == gs.Status.DT_UNDERFLOW
     assert "step size" in mesh.summary()
+
+
+@pytest.mark.parametrize("recorder", ["general", "fused"])
+def test_step_below_the_resolution_of_t_is_underflow_at_once(recorder):
+    # Near t = 1e15 float64 spaces times 0.125 apart, and Lorenz's first step (~1e-2)
+    # rounds to a step of length zero. It must end the trajectory DT_UNDERFLOW before
+    # any step is taken -- not be accepted as a zero step whose successors are then
+    # rejected 4095 times until MAX_STEPS. Both recorders and both forward solves.
+    t0 = 1e15
+    prob = gs.problems.lorenz(n=2).replace(t_span=(t0, t0 + 1.0))
+    assert np.spacing(t0) == 0.125
+    mesh = gs.record(prob, recorder=recorder)
+    sol = gs.solve(prob, engine=recorder)
+    assert sol.engine == recorder
+    for status, accepted, rejected in ((mesh.status, mesh.n_steps, mesh.n_rejected),
+                                       (sol.status, sol.n_accepted, sol.n_rejected)):
+        np.testing.assert_array_equal(status, gs.Status.DT_UNDERFLOW)
+        np.testing.assert_array_equal(accepted, 0)
+        np.testing.assert_array_equal(rejected, 0)
+    np.testing.assert_array_equal(sol.ys, prob.y0)

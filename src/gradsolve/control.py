@@ -66,6 +66,15 @@ def clip_to_end(t, t_next, t1, floor, accepted):
     return jnp.where(t_next > floor, clipped, t_next)
 
 
+def underflow(t, t_next):
+    """Has the step size fallen below the resolution of `t`? A trial step from `t`
+    to `t_next` that does not advance `t` (large `t`, tiny `h`: `t + h == t`) is
+    never taken, accepted or rejected: the trajectory ends `DT_UNDERFLOW` at once.
+    (Taking it would accept a zero-length step, and the retries after it would stall
+    at the same size until `max_steps`.)"""
+    return t_next <= t
+
+
 def initial_step(f, t0, y0, args, error_order, rtol, atol):
     """Hairer & Wanner's first-step rule (Solving ODEs I, Sec. II.4), as in Diffrax's
     `_select_initial_step`, for one trajectory. Costs two evaluations of `f`."""

@@ -57,7 +57,8 @@ def _advance(state: _State, params, f_jax, method, rtol, atol, t1, max_steps):
     chunk = state.buf.shape[1]
 
     def body(s: _State) -> _State:
-        active = ~s.done
+        stalled = ~s.done & control.underflow(s.t, s.t_next)
+        active = ~s.done & ~stalled
         h = s.t_next - s.t
         y_new, y_err, f_new = trial(s.t, s.y, s.f0, h, params)
         ratio = control.error_ratio(s.y, y_new, y_err, rtol, atol)
@@ -73,10 +74,10 @@ def _advance(state: _State, params, f_jax, method, rtol, atol, t1, max_steps):
         n_rej = s.n_rej + (active & ~accept)
         finished = t >= t1
         nonfinite = accept & ~jnp.isfinite(y_new).all(axis=1)
-        underflow = ~finished & (t_next <= t)
+        underflow = stalled | (~finished & control.underflow(t, t_next))
         too_long = ~finished & (n_acc + n_rej >= max_steps)
         status = jnp.select(
-            [~active, nonfinite, underflow, too_long],
+            [s.done, nonfinite, underflow, too_long],
             [s.status, Status.NONFINITE, Status.DT_UNDERFLOW, Status.MAX_STEPS],
             s.status)
         done = s.done | finished | nonfinite | underflow | too_long

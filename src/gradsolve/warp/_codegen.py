@@ -252,7 +252,12 @@ _LANE_START = """
 _LANE_TRIAL = """
         h_L_ = T(0.0)
         if live_L_ == 1:
-            h_L_ = t_next_L_ - t_L_
+            if t_next_L_ <= t_L_:
+                # control.underflow: a step that does not advance t is never taken.
+                code_L_ = int({underflow})
+                live_L_ = 0
+            else:
+                h_L_ = t_next_L_ - t_L_
 """
 
 _LANE_CONTROL = """
