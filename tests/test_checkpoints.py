@@ -91,6 +91,15 @@ def test_relative_dir_ctrl_c_and_resume_after_refresh(tmp_path, monkeypatch, ref
     assert set_aside(tmp_path / "runs/fit") == []
 
 
+def test_ctrl_c_before_the_first_update_saves_nothing(tmp_path, capsys):
+    # It used to claim "saved as step 0" with nothing saved.
+    with pytest.raises(KeyboardInterrupt):
+        interrupting(calibrator(tmp_path / "fit", checkpoint_every=5), 0).fit(
+            THETA0, steps=STEPS, progress=False)
+    assert "no update was done yet, nothing to save" in capsys.readouterr().err
+    assert steps_in(tmp_path / "fit") == []
+
+
 def test_a_larger_cap_extends_a_finished_fit_bit_for_bit(tmp_path, reference):
     ckpt = tmp_path / "fit"
     short = calibrator(ckpt, checkpoint_every=7).fit(THETA0, steps=25, progress=False)

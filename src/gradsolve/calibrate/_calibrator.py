@@ -373,7 +373,8 @@ class Calibrator:
                 store.close()
                 raise
         cap = jnp.asarray(steps, jnp.int32)
-        done = saved = int(state.update)
+        done = int(state.update)
+        saved = done if resumed_from is not None else None
         bar = _progress(progress, steps, done)
         if resumed_from is not None:
             _say(bar, f"gradsolve: resumed from checkpoint step {resumed_from} in "
@@ -388,13 +389,15 @@ class Calibrator:
                 if store is not None and self.checkpoint_every and done % self.checkpoint_every == 0:
                     store.save(done, state._asdict(), meta)
                     saved = done
-            if store is not None and saved != done:
+            if store is not None and saved != done and done > 0:
                 store.save(done, state._asdict(), meta)
                 saved = done
         except KeyboardInterrupt:
             done = int(state.update)
             how = "nothing saved (no checkpoint_dir)"
-            if store is not None:
+            if done == 0:
+                how = "no update was done yet, nothing to save"
+            elif store is not None:
                 if saved != done:
                     try:
                         store.save(done, state._asdict(), meta)
