@@ -330,10 +330,14 @@ class _Compiles:
 
 def test_a_new_steps_value_compiles_nothing(tmp_path):
     # Every new `steps` value used to recompile the fit (~100x the fit's compute).
+    # theta0 weakly typed (as `jnp.full(B, 0.85)` is): it used to compile the update a
+    # second time at the second update, i.e. inside the next fit when the first ran one.
+    theta0 = jnp.full(fit_worker.B, 1.0)
+    assert theta0.weak_type
     cal = fit_worker.calibrator(refresh_every=None)
-    cal.fit(fit_worker.THETA0, steps=5, progress=False)
+    cal.fit(theta0, steps=1, progress=False)
     with _Compiles() as compiles:
-        res = cal.fit(fit_worker.THETA0, steps=9, progress=False)
+        res = cal.fit(theta0, steps=9, progress=False)
     assert res.updates == 9 and compiles.n == 0
     # Extending a finished fit from its checkpoint compiles nothing new either.
     ckpt = tmp_path / "fit"

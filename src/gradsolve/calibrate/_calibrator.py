@@ -351,8 +351,8 @@ class Calibrator:
         steps = int(steps)
         u0 = _transforms.apply(self.transform, theta0, "inverse")
         _check_domain(self.transform, theta0, u0)
-        u, static = eqx.partition(u0, eqx.is_inexact_array)
-        state = self._initial_state(u, static, B, K, steps, key)
+        u, static = eqx.partition(_strong(u0), eqx.is_inexact_array)
+        state = _strong(self._initial_state(u, static, B, K, steps, key))
         store = resumed_from = meta = None
         if self.checkpoint_dir is not None:
             meta = {"gradsolve": _version(),
@@ -541,6 +541,16 @@ def _continued(state: FitState, steps: int) -> FitState:
                            .astype(state.status.dtype))
     # device_put, not jnp.asarray: the latter compiles a copy per shape in this JAX.
     return jax.device_put(state)._replace(history=history, drift=drift)
+
+
+def _strong(tree):
+    """`tree` with no weakly typed array (`jnp.full(B, 0.85)` is one): an update's
+    outputs are strongly typed, so a weak input would compile the update (and the
+    recorder, at the first refresh) twice, the second time at a fit's second update
+    -- or in the next `fit`."""
+    def strong(x):
+        return jax.device_put(np.asarray(x)) if getattr(x, "weak_type", False) else x
+    return jax.tree.map(strong, tree)
 
 
 def _abstract(tree):
