@@ -482,10 +482,11 @@ class Calibrator:
                      if got[k] != want[k]]
             parts = ([f"missing {missing}"] if missing else []) + \
                 ([f"unexpected {extra}"] if extra else []) + \
-                ([f"wrong shape {', '.join(wrong)}"] if wrong else [])
+                ([f"wrong shape or dtype {', '.join(wrong)}"] if wrong else [])
             raise ValueError(
                 f"{what} must give the K={K} trajectories of one fit the problem's "
-                f"parameters (leaves leading with K; gs.Shared ones as in the problem): "
+                f"parameters (leaves leading with K, the problem's dtypes; gs.Shared ones "
+                f"as in the problem): "
                 + "; ".join(parts))
 
     def _initial_state(self, u, static, B, K, steps, key):
@@ -559,7 +560,8 @@ def _abstract(tree):
 
 
 def _array_shapes(tree) -> dict:
-    return {jax.tree_util.keystr(p): tuple(x.shape)
+    """`{leaf path: 'dtype[shape]'}` of the array leaves."""
+    return {jax.tree_util.keystr(p): f"{np.dtype(x.dtype).name}{list(x.shape)}"
             for p, x in jax.tree_util.tree_leaves_with_path(tree)
             if isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)}
 
