@@ -17,8 +17,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) recipes/lorenz_rho.py
 
+# One pytest worker per core, a test file per worker: the suite is bound by XLA and
+# Warp compiles, which are single-threaded (a fresh clone on 2 cores: 589 s serial,
+# 396 s with two workers).
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --dist loadfile tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/grad_vs_diffrax.py
