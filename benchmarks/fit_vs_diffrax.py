@@ -25,8 +25,7 @@ check, no convergence test (`tol=None, grad_tol=None`): every fit runs all updat
 
 Protocol (per fit problem and B): each side's `fit(theta0, steps=N)` is called once
 untimed for N = N1 and N = N2 (the Calibrator used to compile one update function
-per `steps`; now nothing compiled depends on `steps`, but the first fit of a weakly
-typed theta0 compiles only the first update's variant), then, `--repeats` times, alternating
+per `steps`; now nothing compiled depends on `steps`), then, `--repeats` times, alternating
 the two sides, `fit(theta0, steps=N1)` and `fit(theta0, steps=N2)` are timed. Time
 per update = (median T(N2) - median T(N1)) / (N2 - N1): the initial record, the
 optimizer init and the rest of the setup cancel. The record at theta0 (the replay
@@ -53,8 +52,9 @@ script, XLA compilations counted with `jax.monitoring` on
    compilations counted (the Calibrator's private `_maybe_refresh`/`_step` are
    wrapped for per-update timing);
 4. the same process again on the same cache directory (cache hits), and a pair of
-   processes with `EQX_ON_ERROR=nan` on another fresh directory (Equinox's runtime
-   checks hold a host callback whose per-process pointer enters JAX's cache key).
+   processes with `EQX_ON_ERROR=nan` on another fresh directory (Diffrax's runtime
+   checks, through Equinox, hold a host callback whose per-process pointer enters
+   JAX's cache key; gradsolve's update holds none).
 They are stored under the JSON's "compile" key and rendered as "### Compile times".
 
 Outputs: a table on stdout, `benchmarks/results/fit_vs_diffrax.json` (raw times,
@@ -421,7 +421,7 @@ def measure_compile(n2, refresh_every, refresh_steps, q_low, no_cache_run=False,
     """Run `compile_worker` for each side in fresh processes: twice on one fresh
     persistent-cache directory (the second process finds the first one's compiles);
     with `eqx_nan_run` twice more on another fresh directory with `EQX_ON_ERROR=nan`
-    (Equinox's runtime checks, whose host callback puts a per-process pointer into
+    (Diffrax's runtime checks, through Equinox, whose host callback puts a per-process pointer into
     the compiled code and so into JAX's cache key, switched off; no refresh fit);
     with `no_cache_run` once more with the cache off."""
     results = {}
@@ -710,15 +710,13 @@ def _cache_note(comp):
                      + (f", but not the update (`jit(_update_impl)` compiled again, "
                         f"{upd[0]:.1f} s)" if upd and upd[0] > 1.0 else ""))
     note = " Measured: " + "; ".join(parts) + "." if parts else ""
-    note += (" With Equinox's runtime error checks on (the default, `EQX_ON_ERROR=raise`) "
-             "the compiled update holds a host callback, and JAX's cache key keeps the "
-             "callback's pointer, which can differ from process to process: a hit for the "
-             "update is then a matter of chance (in an earlier run of this script on the "
-             "same machine gradsolve's update missed too: 27.0 s for the second process's "
-             "first fit against 27.1 s for the first's). With `EQX_ON_ERROR=nan` (checks "
-             "off: a failed check gives NaN instead of an error) the pointer is gone and "
-             "the second process hit the cache for the update on both sides (the "
-             "`EQX_ON_ERROR=nan` rows; no refresh fit in those processes).")
+    note += (" Diffrax's update holds a host callback (its runtime checks, through "
+             "Equinox's `error_if`, with `EQX_ON_ERROR=raise`, the default), and JAX's "
+             "cache key keeps the callback's pointer, which can differ from process to "
+             "process, so whether its update hits the cache is a matter of chance; with "
+             "`EQX_ON_ERROR=nan` (checks off: a failed check gives NaN) the pointer is "
+             "gone (the `EQX_ON_ERROR=nan` rows). gradsolve's update holds no callback "
+             "(its jaxpr, checked with `jax.make_jaxpr`, has none).")
     return note
 
 
