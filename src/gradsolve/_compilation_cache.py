@@ -1,9 +1,9 @@
 """JAX's persistent compilation cache, switched on for gradsolve's users.
 
-A fit compiles its update once per process; on this project's 2-core CPU that took
-22-46 s for the galactic-halo recipe, about 100x the compute of the fit itself. With
-the cache a second run of the same script in a new process compiled nothing new and
-reached its first update 5x sooner (measured: 25.2 s -> 5.5 s for the first fit).
+A fit compiles its update once per process. With the cache, a second run of the same
+script in a new process compiles little: on the galactic-halo recipe (B = 8, K = 4) the
+first `fit(steps=1)` took 9.6 s in a fresh process and 3.2 s in the next one
+(benchmarks/fit_vs_diffrax.py, "Compile times").
 
 The cache lives in `$XDG_CACHE_HOME/gradsolve/jax` (default `~/.cache/gradsolve/jax`);
 it is not bounded (JAX's size limit needs the `filelock` package) and may be deleted
