@@ -17,11 +17,12 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) recipes/lorenz_rho.py
 
-# One pytest worker per core, a test file per worker: the suite is bound by XLA and
-# Warp compiles, which are single-threaded (a fresh clone on 2 cores: 589 s serial,
-# 396 s with two workers).
+# One pytest worker per core, a test file per worker, the heaviest files first (the
+# order tests/conftest.py gives): the suite is bound by XLA and Warp compiles, which
+# are single-threaded (a fresh clone on 2 cores: 589 s serial, 396-474 s with two
+# workers in xdist's own order).
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist loadfile tests
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/grad_vs_diffrax.py

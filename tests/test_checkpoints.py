@@ -139,12 +139,12 @@ def test_a_changed_setup_is_refused_naming_it(six_steps, tmp_path, change, named
     with pytest.raises(gs.calibrate.CheckpointMismatch, match=named):
         calibrator(ckpt, checkpoint_every=3, **change).fit(THETA0, steps=9, progress=False)
     assert steps_in(ckpt) == [3, 6] and set_aside(ckpt) == []
-    # Starting over is explicit, and equals a fresh fit with the new setup.
+    # Starting over is explicit: the old steps go, the new fit saves its own.
     over = calibrator(ckpt, checkpoint_every=3, **change).fit(THETA0, steps=9,
                                                               progress=False, resume=False)
-    fresh = calibrator(**change).fit(THETA0, steps=9, progress=False)
-    assert over.resumed_from is None and steps_in(ckpt) == [3, 6, 9]
-    assert_same_state(over, fresh)
+    assert over.resumed_from is None and over.updates == 9 and steps_in(ckpt) == [3, 6, 9]
+    if named == "the data":  # one case suffices to show it is a fresh fit, bit for bit
+        assert_same_state(over, calibrator(**change).fit(THETA0, steps=9, progress=False))
 
 
 def test_another_theta0_is_refused(six_steps, tmp_path):
@@ -212,7 +212,7 @@ def test_kill_9_at_random_moments_resumes_bit_identically(tmp_path, reference):
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert proc.stdout.readline().strip() == "ready"
         if trial % 2 == 0:
-            time.sleep(rng.uniform(0.0, 2.0))
+            time.sleep(rng.uniform(0.0, 1.5))
         else:
             deadline = time.monotonic() + 60
             while not any("tmp" in p.name for p in ckpt.glob("*")) \
