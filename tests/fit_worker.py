@@ -68,6 +68,30 @@ def interrupting(cal, after):
 THETA0 = jnp.ones(B)
 
 
+def steps_in(ckpt):
+    """The checkpoint steps in a directory, as Orbax names them."""
+    return sorted(int(p.name) for p in pathlib.Path(ckpt).iterdir() if p.name.isdigit())
+
+
+def flip_a_byte(step_dir):
+    """Damage a saved step as a bad disk would: one byte of its largest data file."""
+    files = [p for p in pathlib.Path(step_dir).rglob("*") if p.is_file()
+             and "meta" not in str(p)]
+    target = max(files, key=lambda p: p.stat().st_size)
+    raw = bytearray(target.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    target.write_bytes(bytes(raw))
+
+
+def assert_same_state(a, b):
+    """Two fit states (or FitResults) equal leaf for leaf, bit for bit."""
+    a, b = (getattr(x, "state", x) for x in (a, b))
+    x, y = jax.tree.leaves(a._asdict()), jax.tree.leaves(b._asdict())
+    assert len(x) == len(y)
+    for u, v in zip(x, y):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
 def state_leaves(res):
     return [np.asarray(x) for x in jax.tree.leaves(res.state._asdict())]
 

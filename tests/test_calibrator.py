@@ -18,7 +18,8 @@ import gradsolve as gs
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "recipes"))
 import lorenz_rho  # noqa: E402
 import fit_worker  # noqa: E402
-from fit_worker import interrupting  # noqa: E402
+from fit_worker import (assert_same_state, flip_a_byte, interrupting,  # noqa: E402
+                        steps_in)
 from gradsolve.mesh import padded_width  # noqa: E402
 
 
@@ -100,11 +101,6 @@ def test_a_fit_whose_record_fails_is_frozen(lorenz):
     assert np.all(np.asarray(res.steps)[np.arange(B) != 5] == 5)
 
 
-def _assert_same_state(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
 def test_resume_is_bit_identical(lorenz, tmp_path):
     kw = dict(refresh_every=15)
     straight = calibrator(lorenz, **kw).fit(THETA0, steps=50, progress=False)
@@ -114,20 +110,8 @@ def test_resume_is_bit_identical(lorenz, tmp_path):
         cal.fit(THETA0, steps=50, progress=False)
     resumed = calibrator(lorenz, checkpoint_dir=ckpt, checkpoint_every=10, **kw).fit(
         THETA0, steps=50, progress=False)
-    _assert_same_state(resumed.state, straight.state)
+    assert_same_state(resumed.state, straight.state)
     assert resumed.refreshes == straight.refreshes
-
-
-def _steps(ckpt):
-    return sorted(int(p.name) for p in pathlib.Path(ckpt).iterdir() if p.name.isdigit())
-
-
-def _flip_a_byte(step_dir):
-    files = [p for p in step_dir.rglob("*") if p.is_file() and "meta" not in str(p)]
-    target = max(files, key=lambda p: p.stat().st_size)
-    raw = bytearray(target.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    target.write_bytes(bytes(raw))
 
 
 def test_damaged_latest_checkpoint_falls_back(lorenz, tmp_path):
@@ -138,12 +122,12 @@ def test_damaged_latest_checkpoint_falls_back(lorenz, tmp_path):
         cal.fit(THETA0, steps=40, progress=False)
     # The interruption saved step 31 after 10, 20, 30: flip one byte in the largest
     # data file of that newest step.
-    assert _steps(ckpt) == [20, 30, 31]
-    _flip_a_byte(ckpt / "31")
+    assert steps_in(ckpt) == [20, 30, 31]
+    flip_a_byte(ckpt / "31")
     with pytest.warns(UserWarning, match="step 31"):
         resumed = calibrator(lorenz, checkpoint_dir=ckpt, checkpoint_every=10).fit(
             THETA0, steps=40, progress=False)
-    _assert_same_state(resumed.state, straight.state)
+    assert_same_state(resumed.state, straight.state)
 
 
 def test_checkpoint_of_another_fit_is_refused(lorenz, tmp_path):

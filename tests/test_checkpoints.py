@@ -24,7 +24,8 @@ import pytest
 
 import gradsolve as gs
 import fit_worker
-from fit_worker import THETA0, calibrator, interrupting
+from fit_worker import (THETA0, assert_same_state, calibrator, flip_a_byte,
+                        interrupting, steps_in)
 
 STEPS = 40
 WORKER = pathlib.Path(fit_worker.__file__)
@@ -38,28 +39,8 @@ def reference():
     return res, first.state.mesh["h"].shape[1]
 
 
-def assert_same_state(res, reference):
-    a, b = jax.tree.leaves(res.state._asdict()), jax.tree.leaves(reference.state._asdict())
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-def steps_in(ckpt):
-    return sorted(int(p.name) for p in pathlib.Path(ckpt).iterdir() if p.name.isdigit())
-
-
 def set_aside(ckpt):
     return sorted(p.name for p in pathlib.Path(ckpt).iterdir() if ".damaged" in p.name)
-
-
-def flip_a_byte(step_dir):
-    files = [p for p in pathlib.Path(step_dir).rglob("*") if p.is_file()
-             and "meta" not in str(p)]
-    target = max(files, key=lambda p: p.stat().st_size)
-    raw = bytearray(target.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    target.write_bytes(bytes(raw))
 
 
 def test_the_reference_fit_widens_its_mesh(reference):

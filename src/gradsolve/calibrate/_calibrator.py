@@ -428,7 +428,7 @@ class Calibrator:
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
             raise ValueError(f"steps must be a positive integer, got {steps!r}")
         paths = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(theta0)
-                 if eqx.is_array(x) or isinstance(x, (np.ndarray, np.generic))]
+                 if eqx.is_array(x)]
         if not paths:
             raise ValueError("theta0 must hold at least one array leaf leading with B")
         for p, x in paths:
