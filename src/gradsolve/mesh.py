@@ -7,7 +7,6 @@ the identity in the replay. `Mesh.padded` appends zero columns; nothing else pad
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .status import Status, summarize
