@@ -61,7 +61,7 @@ def test_mesh_spans_the_interval_and_is_zero_padded():
 def test_chunked_buffer_records_the_same_mesh():
     # A chunk of 4 columns forces many returns to the host; the mesh must not change.
     from gradsolve.config import make_config
-    from gradsolve.record import run_record
+    from gradsolve.recorder import run_record
     prob = gs.problems.lorenz(n=7)
     cfg = make_config(prob, rtol=1e-6, atol=1e-9, method="tsit5")
     small, y_small = run_record(prob, cfg, chunk=4)

@@ -7,7 +7,7 @@ import pytest
 
 import gradsolve as gs
 from gradsolve.config import make_config
-from gradsolve.record import run_record
+from gradsolve.recorder import run_record
 from helpers import rel_err
 
 

@@ -23,7 +23,8 @@ import numpy as np
 
 from . import control, methods
 from .config import Config
-from .record import field, run_record
+from .problem import field
+from .recorder import run_record
 from .replay import _replay
 from .problem import param_axes
 from .status import Status

@@ -42,6 +42,12 @@ def unwrap_shared(params):
                         is_leaf=_is_shared)
 
 
+def field(f_jax):
+    """`f_jax` with `Shared` wrappers removed from its parameters: the right-hand side
+    the steps call (`EnsembleProblem.f_one` is this for the problem's own `f_jax`)."""
+    return lambda t, y, p: f_jax(t, y, unwrap_shared(p))
+
+
 def param_axes(params):
     """`vmap` axes for `params`: 0 for per-trajectory leaves, None inside `Shared`."""
     def axis(x):
@@ -107,8 +113,8 @@ class EnsembleProblem(eqx.Module):
         return self.y0.shape[1]
 
     def f_one(self, t, y, params):
-        """`f_jax` with `Shared` wrappers removed: the right-hand side the steps call."""
-        return self.f_jax(t, y, unwrap_shared(params))
+        """`f_jax` with `Shared` wrappers removed (see `field`)."""
+        return field(self.f_jax)(t, y, params)
 
     def replace(self, **changes) -> "EnsembleProblem":
         """A copy with some members changed (validated again)."""

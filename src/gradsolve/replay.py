@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from . import methods
 from .config import check_interpolate, check_ts, default_remat
 from .mesh import Mesh
-from .problem import as_problem, param_axes
-from .record import field
+from .problem import as_problem, field, param_axes
 from .status import Status
 
 

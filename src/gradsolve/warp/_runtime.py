@@ -98,23 +98,36 @@ def slices(n: int, parts: int):
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
+def cpu_threads() -> int:
+    """Threads the CPU device splits a launch over: `GRADSOLVE_CPU_THREADS` if set
+    (read at every launch, so a benchmark can compare 1 and 2), else one per core."""
+    value = os.environ.get("GRADSOLVE_CPU_THREADS", "")
+    if not value:
+        return os.cpu_count() or 1
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"GRADSOLVE_CPU_THREADS must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def run_split(fn, n: int):
     """Call `fn(start, stop)` over slices of the ensemble: on the CPU
-    `SLICES_PER_CORE` slices per core on a thread pool (a Warp CPU launch is
-    single-threaded and releases the GIL), on a GPU one launch over everything."""
-    if device() != "cpu":
+    `SLICES_PER_CORE` slices per thread on a pool of `cpu_threads()` threads (a Warp
+    CPU launch is single-threaded and releases the GIL; one thread: one launch), on
+    a GPU one launch over everything."""
+    threads = cpu_threads() if device() == "cpu" else 1
+    if threads == 1:
         fn(0, n)
         return
-    parts = slices(n, min((os.cpu_count() or 1) * SLICES_PER_CORE, -(-n // MIN_SLICE)))
+    parts = slices(n, min(threads * SLICES_PER_CORE, -(-n // MIN_SLICE)))
     if len(parts) == 1:
         fn(*parts[0])
         return
-    for future in [_pool().submit(fn, a, b) for a, b in parts]:
+    for future in [_pool(threads).submit(fn, a, b) for a, b in parts]:
         future.result()
 
 
 @functools.cache
-def _pool():
-    """One pool for the process: creating threads per launch cost ~ms on small n."""
-    return concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1,
-                                                 thread_name_prefix="gradsolve-warp")
+def _pool(threads: int):
+    """One pool per thread count for the process: creating threads per launch cost
+    ~ms on small n."""
+    return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="gradsolve-warp")
