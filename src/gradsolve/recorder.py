@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import control, methods
-from .config import DEFAULT_MAX_STEPS, Config
+from .config import Config
 from .mesh import Mesh
 from .problem import field, param_axes
 from .status import Status

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import control, methods
 from ..fields._warp import fused_form
-from ..recorder import start
+from .. import recorder
 from . import _codegen, _runtime
 
 
@@ -59,7 +59,7 @@ def run_fused(prob, cfg, *, record=False, params=None, y0=None):
     dtype = np.dtype(y0.dtype)
     n, d = y0.shape
     t0, t1 = (float(t) for t in prob.t_span)
-    _, t_first, _ = start(y0, params, cfg.dt0, prob.f_jax, method, cfg.rtol, cfg.atol, t0, t1)
+    _, t_first, _ = recorder.start(y0, params, cfg.dt0, prob.f_jax, method, cfg.rtol, cfg.atol, t0, t1)
     P, S = fused_form(prob, params)[0].pack(params, n)
     host = {"y0": np.asarray(y0, dtype), "p": np.asarray(P, dtype),
             "t_first": np.asarray(t_first, dtype)}
