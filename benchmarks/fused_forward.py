@@ -282,15 +282,15 @@ def dimensions(dims, n, repeats):
             row["router"] = "fused accepted"
         except ValueError as err:
             row["router"] = f"fused refused: {err}"
-        fused_fn = lambda: _fused.run_fused(prob, cfg)["y"]
+        fused_fn = lambda: _fused.run_fused(prob, cfg).y
         row["fused"] = timed(fused_fn, repeats)
         gen_fn = lambda: gs.solve(prob, rtol=RTOL, atol=ATOL, engine="general")
         row["general"] = timed(gen_fn, repeats)
         fo, go = _fused.run_fused(prob, cfg), gen_fn()
-        row["checks"] = {"max_abs_diff": max_diff(fo["y"], go.ys),
-                         "same_accepted_steps": bool(np.array_equal(fo["n_acc"],
+        row["checks"] = {"max_abs_diff": max_diff(fo.y, go.ys),
+                         "same_accepted_steps": bool(np.array_equal(fo.n_accepted,
                                                                     np.asarray(go.n_accepted))),
-                         "accepted_steps_max": int(fo["n_acc"].max())}
+                         "accepted_steps_max": int(fo.n_accepted.max())}
         row["general_over_fused"] = row["general"]["median_s"] / row["fused"]["median_s"]
         comp = row["warp_compile_s"]
         log(f"  d={d}: Warp compile {comp if comp is None else f'{comp:.2f}'} s "

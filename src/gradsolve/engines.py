@@ -258,9 +258,9 @@ def _fused_refusal(request: Request) -> str | None:
 def _fused_solve(prob, cfg):
     from .warp._fused import run_fused
     out = run_fused(prob, cfg)
-    ys = out["y"] if out["ys"] is None else out["ys"]
-    return (jnp.asarray(ys), jnp.asarray(out["status"]), jnp.asarray(out["n_acc"]),
-            jnp.asarray(out["n_rej"]))
+    ys = out.y if out.ys is None else out.ys
+    return (jnp.asarray(ys), jnp.asarray(out.status), jnp.asarray(out.n_accepted),
+            jnp.asarray(out.n_rejected))
 
 
 class Fused(Engine):
@@ -304,9 +304,9 @@ class FusedReplay(Engine):
         from .mesh import Mesh
         from .warp._fused import run_fused
         out = run_fused(prob, cfg, record=True, params=params, y0=y0)
-        dtype = out["h"].dtype
-        return Mesh(h=jnp.asarray(out["h"]), n_steps=jnp.asarray(out["n_acc"]),
-                    n_rejected=jnp.asarray(out["n_rej"]), status=jnp.asarray(out["status"]),
+        dtype = out.h.dtype
+        return Mesh(h=jnp.asarray(out.h), n_steps=jnp.asarray(out.n_accepted),
+                    n_rejected=jnp.asarray(out.n_rejected), status=jnp.asarray(out.status),
                     t0=jnp.asarray(prob.t_span[0], dtype), t1=jnp.asarray(prob.t_span[1], dtype),
                     method=cfg.method, rtol=cfg.rtol, atol=cfg.atol, recorder="fused")
 

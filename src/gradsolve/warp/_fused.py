@@ -10,6 +10,7 @@ Ensembles whose buffers would exceed `MEMORY_BUDGET` bytes run in consecutive ch
 """
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,6 +29,17 @@ def lanes() -> int:
     """Trajectories per thread: `CPU_LANES` on the CPU, one on a GPU (whose threads
     already run side by side)."""
     return CPU_LANES if _runtime.device() == "cpu" else 1
+
+
+class FusedRun(NamedTuple):
+    """What a fused launch returns, as NumPy arrays."""
+
+    y: np.ndarray            # (n, d) final states
+    ys: np.ndarray | None    # (n, len(ts), d), or None without ts
+    n_accepted: np.ndarray   # (n,) int32
+    n_rejected: np.ndarray   # (n,) int32
+    status: np.ndarray       # (n,) int32 gs.Status codes
+    h: np.ndarray | None     # (n, S) recorded step sizes, or None without record
 
 
 def kernel_for(prob, method, dtype):
@@ -49,8 +61,7 @@ def run_fused(prob, cfg, *, record=False, params=None, y0=None):
     """Solve (and with `record=True` record) every trajectory in Warp.
 
     Returns:
-        dict of NumPy arrays: `y` (n, d), `ys` (n, J, d) or None, `n_acc`, `n_rej`,
-        `status` (n,), and `h` (n, S) when recording.
+        A `FusedRun`.
     """
     wp = _runtime.warp()
     params = prob.params if params is None else params
@@ -127,6 +138,5 @@ def run_fused(prob, cfg, *, record=False, params=None, y0=None):
             out["h"] = np.concatenate([out["h"], np.zeros((n, full - width), dtype)], axis=1)
             run(longer, full, out)
         out["h"] = out["h"][:, :max(int(out["n_acc"].max()), 1)]
-    if n_ts == 0:
-        out["ys"] = None
-    return out
+    return FusedRun(y=out["y"], ys=out["ys"] if n_ts else None, n_accepted=out["n_acc"],
+                    n_rejected=out["n_rej"], status=out["status"], h=out.get("h"))
