@@ -4,7 +4,7 @@ from . import engines as engines, methods as methods, problems as problems
 from .calibrate import Calibrator as Calibrator, FitResult as FitResult, FitStatus as FitStatus
 from .calibrate import transforms as transforms
 from .engines import Engine as Engine, engine_names as engine_names
-from .fields._warp import register_field as register_field
+from .warp._registry import register_field as register_field
 from .grad import value_and_grad as value_and_grad, ValueAndGrad as ValueAndGrad
 from .mesh import Mesh as Mesh
 from .problem import EnsembleProblem as EnsembleProblem, Shared as Shared
@@ -15,7 +15,7 @@ from .solve import solve as solve, Solution as Solution
 from .status import Status as Status, TrajectoryFailure as TrajectoryFailure
 
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__  # noqa: E402
 
 from . import _compilation_cache  # noqa: E402
 

@@ -16,6 +16,8 @@ environment variable `GRADSOLVE_COMPILATION_CACHE=0`, or choose the directory wi
 import os
 import pathlib
 
+import jax
+
 
 ENV = "GRADSOLVE_COMPILATION_CACHE"
 # Small compiles are cached too: a fit makes dozens of 0.1-0.5 s ones (eager ops,
@@ -31,7 +33,6 @@ def default_directory() -> pathlib.Path:
 def enable() -> str | None:
     """Point JAX's persistent cache at gradsolve's directory (see the module
     docstring); returns the directory in use, or None when switched off."""
-    import jax
 
     setting = os.environ.get(ENV, "").strip()
     if setting.lower() in ("0", "off", "false", "no"):

@@ -7,6 +7,8 @@ from typing import Any
 import numpy as np
 
 from . import methods
+from .methods._rosenbrock import uses_time
+from .problem import trajectory_params
 
 
 DEFAULT_MAX_STEPS = 4096
@@ -24,11 +26,6 @@ class Config:
     ts: Any = None
     remat: Any = None
     interpolate: bool = False
-
-
-def default_method(prob) -> str:
-    """`rodas5p` for stiff problems, `tsit5` otherwise."""
-    return "rodas5p" if prob.stiff else "tsit5"
 
 
 def check_tolerances(rtol, atol):
@@ -69,8 +66,6 @@ def check_method(prob, name):
     """The method called `name`, refused where it cannot serve `prob`."""
     method = methods.get(name)
     if method.autonomous_only:
-        from .methods._rosenbrock import uses_time
-        from .problem import trajectory_params
         if uses_time(prob.f_one, prob.y0[0, 0], prob.y0[0], trajectory_params(prob.params, 0)):
             raise ValueError(
                 f"method {name!r} is for autonomous systems, but f_jax reads t; use "
@@ -97,7 +92,7 @@ def make_config(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STE
                 ts=None, remat=None, interpolate=False) -> Config:
     """Validate every setting against `prob` and return a `Config`."""
     rtol, atol = check_tolerances(rtol, atol)
-    method = default_method(prob) if method is None else method
+    method = methods.default_for(prob.stiff) if method is None else method
     m = check_method(prob, method)
     check_interpolate(m, interpolate)
     if remat is None:

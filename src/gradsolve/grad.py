@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import DEFAULT_MAX_STEPS
+from .engines import recorder_of
 from .mesh import Mesh
 from .problem import _is_shared, as_problem
 from .router import plan
@@ -129,13 +130,16 @@ class ValueAndGrad:
         ys_function = self._engine.ys_function(prob, cfg, mode)
         self._call = eqx.filter_jit(functools.partial(_value_and_grad, ys_function, loss,
                                                       wrt, mode))
-        self.mesh = self._check_mesh(mesh) if mesh is not None else self._engine.record(prob, cfg)
+        if mesh is not None:
+            self.mesh = self._check_mesh(mesh)
+        else:
+            self.mesh = self._engine.record(prob, cfg) if self._engine.serves("record") else None
         self._check_status()
 
     def _check_mesh(self, mesh):
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh must be a gs.Mesh, got {type(mesh).__name__}")
-        if not self._engine.records:
+        if recorder_of(self._engine) is None:
             raise ValueError(f"engine {self.engine!r} does not replay a mesh")
         if mesh.n != self.problem.n:
             raise ValueError(f"mesh has {mesh.n} trajectories, the problem {self.problem.n}")
@@ -159,7 +163,7 @@ class ValueAndGrad:
 
     def rerecord(self, params=None, y0=None) -> "ValueAndGrad":
         """Record a fresh mesh at `params`, `y0` (in place; returns self)."""
-        if self._engine.records:
+        if self._engine.serves("record"):
             self.mesh = self._engine.record(self.problem, self.config, params=params, y0=y0)
             self._check_status()
         return self
@@ -189,8 +193,9 @@ def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=
             methods, for stiff ones from 16 variables on).
         interpolate: serve `ts` from the continuous extension (Rodas5P) instead.
         mesh: differentiate on this mesh instead of recording one.
-        fused: True forces the fused recorder (`fused_replay`); an error says why if
-            the field has no fused form.
+        fused: None lets the router choose; True asks for a Warp engine
+            (`fused_replay`), with an error saying why if none can serve; False keeps
+            the request off every Warp engine (the JAX recorder and replay).
         on_failure: `"raise"` if a trajectory failed to record, or `"mask"` to
             differentiate the others. The loss then sees exact zeros in place of a
             failed trajectory's states (at every `ts`): they carry no gradient to
@@ -217,11 +222,10 @@ def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=
                                  ("on_failure", on_failure, ON_FAILURE)):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    if fused and engine is None:
-        engine = "fused_replay"
     if mesh is not None and method is None:
         method = getattr(mesh, "method", None)
-    chosen, passed, cfg = plan(prob, gradient=True, engine=engine, method=method, rtol=rtol,
+    chosen, passed, cfg = plan(prob, gradient=True, engine=engine, method=method,
+                               fused=fused, mode=mode, rtol=rtol,
                                atol=atol, dt0=dt0, max_steps=max_steps, ts=ts, remat=remat,
                                interpolate=interpolate)
     return ValueAndGrad(prob, loss, wrt=wrt, mode=mode, engine=chosen, passed=passed,

@@ -2,6 +2,7 @@
 one, and warp/, the fused one)."""
 
 from .config import DEFAULT_MAX_STEPS
+from .engines import with_recorder
 from .mesh import Mesh
 from .problem import as_problem
 from .router import plan
@@ -34,12 +35,9 @@ def record(prob, *, rtol=1e-6, atol=1e-9, method=None, dt0=None,
         (3, 'tsit5', 'fused', True)
     """
     prob = as_problem(prob)
-    engine = RECORDERS.get(recorder, KeyError) if recorder is not None else None
-    if engine is KeyError:
-        raise ValueError(f"recorder must be None, 'general' or 'fused', got {recorder!r}")
+    engine = None if recorder is None else with_recorder(recorder)
     chosen, _, cfg = plan(prob, gradient=True, engine=engine, method=method, rtol=rtol,
                           atol=atol, dt0=dt0, max_steps=max_steps)
+    if not chosen.serves("record"):
+        raise ValueError(f"engine {chosen.name!r} does not record a mesh")
     return chosen.record(prob, cfg, params=params, y0=y0)
-
-
-RECORDERS = {"general": "general_replay", "fused": "fused_replay"}

@@ -65,6 +65,19 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
     return _replay(prob.f_jax, method, mesh, params, y0, ts, bool(remat), interpolate)
 
 
+def replay_function(prob, cfg):
+    """The pure function `(mesh, params, y0) -> ys` every replay engine
+    differentiates: `_replay` with `cfg`'s outputs, remat and continuous extension,
+    and the masking rule on (failed trajectories, allowed by `on_failure="mask"`,
+    give zero outputs and zero gradients)."""
+    method = methods.get(cfg.method)
+
+    def ys_fn(mesh, params, y0):
+        return _replay(prob.f_jax, method, mesh, params, y0, cfg.ts, cfg.remat,
+                       cfg.interpolate, mask=True)
+    return ys_fn
+
+
 def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False, mask=False):
     """The replay. With `mask=True`, the masking rule: each trajectory whose
     `mesh.status` is not SUCCESS is replayed on an all-zero mesh (no steps, and no

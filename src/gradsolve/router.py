@@ -1,20 +1,91 @@
 """The router: a pure function from a request to an engine, recording why each
 engine it passed over refused.
 
-With `engine=None`: a gradient takes `fused_replay` for a fused field with d <= 64,
-else `general_replay`; a forward solve takes `fused` for a fused field with d <= 64,
-else `diffrax` if installed, else `general`. Engines not built into this version are
-passed over with that reason.
+With `engine=None` the router tries, in the registry's order (`gs.engine_names()`),
+the engines that route the task (`Engine.routes`) and takes the first that serves
+the request: a gradient takes `fused_replay` for a field with a fused form (d <= 64 on
+a GPU, <= 8 on the CPU), else `general_replay`; a forward solve takes `fused` under
+the same rule, else `diffrax` (Tsit5 problems), else `general`.
+
+The rules every engine obeys are here, once: the task (solve / gradient), the method
+(`methods.default_for` picks it when none is named), the continuous extension for
+`interpolate=True`, and for the Warp engines the fused form, the caller's `fused=`,
+the dtype, the d cutoff and the tolerance below which Rosenbrock23 is not chosen.
 """
 
+import equinox as eqx
+import jax
+import numpy as np
+
 from . import methods
-from .config import make_config
+from .config import check_interpolate, make_config
 from .engines import ENGINES, Engine, Request
+from .problem import _is_shared
+from .warp import _runtime
 from .fields._warp import fused_form
 
 
-GRADIENT_ORDER = ("fused_replay", "general_replay")
-FORWARD_ORDER = ("fused", "diffrax", "general")
+# The state-dimension cutoff of the Warp engines, per Warp device. On a GPU the limit
+# is the per-thread register file (the design's 64 keeps far inside it); on this
+# project's 2-core CPU the fused kernel stops beating the batched JAX engine between
+# d = 8 and d = 16 (benchmarks/fused_forward.py, docs/benchmarks.md).
+FUSED_MAX_D = {"cuda": 64, "cpu": 8}
+# Below this rtol a stiff request without a named method leaves the Warp engines: at
+# rtol 1e-10 Rosenbrock23 ran past 4096 steps on Robertson where Rodas5P took ~100.
+ROSENBROCK23_MIN_RTOL = 1e-6
+WARP_DTYPES = ("float32", "float64")
+NOT_FUSED = "f_jax has no fused form (gs.register_field translates one)"
+
+
+def _warp_refusal(request: Request) -> str | None:
+    """Why no Warp engine may run `request` (before its method is known), or None."""
+    if request.warp is False:
+        return "fused=False keeps the request off the Warp engines"
+    if not request.fused:
+        return request.fused_why or NOT_FUSED
+    if request.dtype not in WARP_DTYPES:
+        return f"the fused kernels run {WARP_DTYPES}, not {request.dtype}"
+    device = _runtime.device()
+    limit = FUSED_MAX_D[device]
+    if request.d > limit:
+        return f"d = {request.d} > {limit}: past the fused kernels' cutoff on the {device} device"
+    if request.method is None and request.stiff and request.rtol is not None \
+            and request.rtol < ROSENBROCK23_MIN_RTOL:
+        return (f"the fused stiff method, second-order Rosenbrock23, needs too many steps "
+                f"at rtol < {ROSENBROCK23_MIN_RTOL:g}: the general path's Rodas5P serves it")
+    return None
+
+
+def refusal(engine: Engine, request: Request) -> str | None:
+    """`None` if `engine` can serve `request`, else the reason it cannot."""
+    task = request.task
+    if not engine.serves(task):
+        if task == "gradient":
+            hint = f" (gradients: {engine.gradients_by!r})" if engine.gradients_by else ""
+            return "forward only" + hint
+        return f"it does not serve {task}s"
+    if engine.warp and (why := _warp_refusal(request)) is not None:
+        return why
+    method = request.method or engine.default_method(request)
+    if not engine.runs(method):
+        return engine.method_refusal(method)
+    if engine.warp and method == "rosenbrock23" and not request.jacobian:
+        return "the field has no hand-written Jacobian for the stiff fused kernel"
+    if request.interpolate and not methods.get(method).has_dense_output:
+        return (f"interpolate=True needs a method with a continuous extension; "
+                f"{method!r} has none")
+    return engine.supports(request)
+
+
+def _named(engine) -> Engine:
+    if isinstance(engine, str):
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be None or one of {sorted(ENGINES)}, got {engine!r}")
+        return ENGINES[engine]
+    if not isinstance(engine, Engine):
+        raise TypeError(f"engine must be None, a name or a gs.Engine, got "
+                        f"{type(engine).__name__}")
+    return engine
 
 
 def route(request: Request, engine=None) -> tuple[Engine, dict[str, str]]:
@@ -40,44 +111,63 @@ def route(request: Request, engine=None) -> tuple[Engine, dict[str, str]]:
     if request.method is not None:
         methods.get(request.method)
     if engine is not None:
-        if isinstance(engine, str):
-            if engine not in ENGINES:
-                raise ValueError(
-                    f"engine must be None or one of {sorted(ENGINES)}, got {engine!r}")
-            engine = ENGINES[engine]
-        elif not isinstance(engine, Engine):
-            raise TypeError(f"engine must be None, a name or a gs.Engine, got "
-                            f"{type(engine).__name__}")
-        reason = engine.supports(request)
+        engine = _named(engine)
+        reason = refusal(engine, request)
         if reason is not None:
             raise ValueError(f"engine {engine.name!r} cannot serve this request: {reason}")
         return engine, {}
-    passed = {}
-    for name in GRADIENT_ORDER if request.gradient else FORWARD_ORDER:
-        candidate = ENGINES.get(name)
-        if candidate is None:
-            passed[name] = "not built into this version"
+    passed, first_warp = {}, None
+    for candidate in ENGINES.values():
+        if request.task not in candidate.routes:
             continue
-        reason = candidate.supports(request)
+        if request.warp and not candidate.warp:
+            continue  # fused=True: only the Warp engines are candidates
+        reason = refusal(candidate, request)
         if reason is None:
             return candidate, passed
-        passed[name] = reason
+        passed[candidate.name] = reason
+        if candidate.warp and first_warp is None:
+            first_warp = candidate.name
+    if request.warp and first_warp is not None:
+        raise ValueError(f"engine {first_warp!r} cannot serve this request: "
+                         f"{passed[first_warp]}")
     raise ValueError(f"no engine can serve this request: {passed}")
 
 
-def request_for(prob, *, gradient: bool, method=None, rtol=None) -> Request:
-    """The router's view of a problem: stiffness, dimension, whether its field has a
-    fused form (and a hand-written Jacobian), the tolerance asked for."""
-    field, why = fused_form(prob)
+def _holds_module(params) -> bool:
+    """Whether a `gs.Shared` subtree of `params` holds an Equinox module."""
+    shared = [x.value for x in jax.tree.leaves(params, is_leaf=_is_shared) if _is_shared(x)]
+    is_module = lambda x: isinstance(x, eqx.Module)
+    return any(is_module(x) for s in shared for x in jax.tree.leaves(s, is_leaf=is_module))
+
+
+def request_for(prob, *, gradient: bool, method=None, rtol=None, mode="reverse",
+                interpolate=False, ts=False, fused=None) -> Request:
+    """The router's view of a call: the problem's stiffness, dimension, dtype and
+    parameters, whether its field has a fused form (and a Jacobian), what is asked."""
+    form, why = fused_form(prob) if fused is not False else (None, None)
     return Request(gradient=gradient, stiff=prob.stiff, d=prob.d, method=method,
-                   fused=field is not None, jacobian=bool(field is not None and field.stiff),
-                   rtol=rtol, fused_why=why)
+                   fused=form is not None, jacobian=bool(form is not None and form.stiff),
+                   rtol=rtol, fused_why=why, mode=mode, interpolate=bool(interpolate),
+                   ts=bool(ts), dtype=np.dtype(prob.y0.dtype).name,
+                   shared_module=_holds_module(prob.params),
+                   warp=None if fused is None else bool(fused))
 
 
-def plan(prob, *, gradient: bool, engine=None, method=None, **settings):
+def plan(prob, *, gradient: bool, engine=None, method=None, fused=None, mode="reverse",
+         **settings):
     """Route, resolve the method (the engine's default when none is given) and
     validate the settings: `(engine, passed_over, config)`."""
-    request = request_for(prob, gradient=gradient, method=method, rtol=settings.get("rtol"))
+    if fused not in (None, True, False):
+        raise ValueError(f"fused must be None, True or False, got {fused!r}")
+    if method is not None:
+        check_interpolate(methods.get(method), settings.get("interpolate", False))
+    request = request_for(prob, gradient=gradient, method=method, rtol=settings.get("rtol"),
+                          mode=mode, interpolate=settings.get("interpolate", False),
+                          ts=settings.get("ts") is not None, fused=fused)
+    if engine is not None and fused is False and _named(engine).warp:
+        raise ValueError(f"engine {_named(engine).name!r} runs on Warp, but fused=False "
+                         f"keeps the request off the Warp engines")
     chosen, passed = route(request, engine)
     method = chosen.default_method(request) if method is None else method
     return chosen, passed, make_config(prob, method=method, **settings)

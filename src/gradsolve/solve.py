@@ -57,7 +57,7 @@ def cast_problem(prob: EnsembleProblem, dtype) -> EnsembleProblem:
 
 
 def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtype=None,
-          max_steps=DEFAULT_MAX_STEPS, dt0=None, interpolate=False) -> Solution:
+          max_steps=DEFAULT_MAX_STEPS, dt0=None, interpolate=False, fused=None) -> Solution:
     """Solve every trajectory of an ensemble (forward only).
 
     Args:
@@ -72,6 +72,8 @@ def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtyp
         dt0: first step (default: Hairer & Wanner's rule per trajectory).
         interpolate: serve `ts` from the continuous extension (Rodas5P) rather than
             by one extra integrated step per output.
+        fused: None lets the router choose; True asks for the Warp engine (an error
+            says why if it cannot serve); False keeps the solve off every Warp engine.
 
     Returns:
         A `gs.Solution`; `.engine` names the engine that ran.
@@ -85,8 +87,8 @@ def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtyp
         'general'
     """
     prob = cast_problem(as_problem(prob), dtype)
-    eng, passed, cfg = plan(prob, gradient=False, engine=engine, method=method, rtol=rtol,
-                            atol=atol, dt0=dt0, max_steps=max_steps, ts=ts,
+    eng, passed, cfg = plan(prob, gradient=False, engine=engine, method=method, fused=fused,
+                            rtol=rtol, atol=atol, dt0=dt0, max_steps=max_steps, ts=ts,
                             interpolate=interpolate)
     ys, status, n_acc, n_rej = eng.solve(prob, cfg)
     return Solution(ys=ys, status=status, n_accepted=n_acc, n_rejected=n_rej,

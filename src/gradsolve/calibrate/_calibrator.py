@@ -27,11 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm.auto import tqdm
 
+from .._version import __version__
 from ..config import DEFAULT_MAX_STEPS
+from ..engines import recorder_of, with_recorder
 from ..mesh import Mesh
 from ..problem import Shared, _is_shared, as_problem
-from ..record import RECORDERS
 from ..router import plan
 from ..status import Status
 from . import _transforms
@@ -148,10 +150,8 @@ class Calibrator:
                 raise ValueError(f"{name} must be None or a positive integer, got {v!r}")
         if (drift_every is None) != (drift_tol is None):
             raise ValueError("drift_every and drift_tol go together")
-        if recorder not in (None, "general", "fused"):
-            raise ValueError(f"recorder must be None, 'general' or 'fused', got {recorder!r}")
         if recorder is not None and engine is None:
-            engine = RECORDERS[recorder]
+            engine = with_recorder(recorder)
         if checkpoint_every is not None and checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir")
         if drift_tol is not None and not (isinstance(drift_tol, (int, float, np.number))
@@ -245,7 +245,7 @@ class Calibrator:
     def _record(self, u, static, K, width=0):
         """Record at the current parameters; per-fit record success. The mesh is padded
         to one of `Mesh.widened`'s few widths, at least `width`."""
-        if not self._engine.records:
+        if not self._engine.serves("record"):
             return None, None
         theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
         mesh = self._engine.record(self.problem, self.config,
@@ -257,7 +257,7 @@ class Calibrator:
         if arrays is None:
             return None
         return Mesh(**arrays, method=self.config.method, rtol=self.config.rtol,
-                    atol=self.config.atol, recorder=self._engine.name.replace("_replay", ""))
+                    atol=self.config.atol, recorder=recorder_of(self._engine))
 
     def _drift(self, mesh, fresh, u, static, K):
         theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
@@ -355,7 +355,7 @@ class Calibrator:
         state = _strong(self._initial_state(u, static, B, K, steps, key))
         store = resumed_from = meta = None
         if self.checkpoint_dir is not None:
-            meta = {"gradsolve": _version(),
+            meta = {"gradsolve": __version__,
                     "fit": self._fingerprint(state, static, theta0, K, tol, grad_tol)}
             json.dumps(meta)  # anything JSON cannot hold fails now, not at the first save
             store = Checkpoints(self.checkpoint_dir)
@@ -582,8 +582,8 @@ _FINGERPRINT_NAMES = {
 def _check_meta(expected, directory, found):
     stored = found.get("fit")
     version = found.get("gradsolve")
-    written_by = "" if version == _version() else \
-        f"; it was written by gradsolve {version}, this is {_version()}"
+    written_by = "" if version == __version__ else \
+        f"; it was written by gradsolve {version}, this is {__version__}"
     if not isinstance(stored, dict):
         raise CheckpointMismatch(
             f"the checkpoint in {directory} was written without a fit fingerprint (an "
@@ -624,11 +624,6 @@ def _check_domain(transform, theta0, u0):
                 f"(fits {np.flatnonzero(bad)[:10].tolist()})")
 
 
-def _version():
-    from .. import __version__
-    return __version__
-
-
 def _show(bar, state, B):
     if bar is None:
         return
@@ -651,5 +646,4 @@ def _say(bar, message):
 def _progress(enabled, total, initial):
     if not enabled:
         return None
-    from tqdm.auto import tqdm
     return tqdm(total=total, initial=initial, unit="update", dynamic_ncols=True)

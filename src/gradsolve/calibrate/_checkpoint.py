@@ -32,6 +32,7 @@ import warnings
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
 
 LOCK_NAME = "gradsolve.lock"
@@ -87,7 +88,7 @@ class _Lock:
     """An exclusive `flock` on `<directory>/gradsolve.lock`, naming its owner."""
 
     def __init__(self, directory: pathlib.Path):
-        import fcntl
+        import fcntl  # POSIX only: imported where a lock is taken
 
         self.path = directory / LOCK_NAME
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -139,8 +140,6 @@ class Checkpoints:
     """
 
     def __init__(self, directory, max_to_keep=3):
-        import orbax.checkpoint as ocp
-
         self._ocp = ocp
         self.directory = check_directory(directory)
         self._lock = _Lock(self.directory)

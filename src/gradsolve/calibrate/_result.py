@@ -3,12 +3,12 @@
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
 
 
 def _name(path) -> str:
     """`['rho']` -> `rho`, `[0]` -> `0`: leaf paths as column labels."""
-    import jax
     return jax.tree_util.keystr(path).replace("']['", ".").strip("[]'") or "theta"
 
 
@@ -65,7 +65,6 @@ class FitResult:
 
     def table(self, true=None, names=None) -> str:
         """A recovered-vs-true table of the scalar-per-fit leaves of theta."""
-        import jax
         leaves = jax.tree_util.tree_leaves_with_path(self.theta)
         rows = [(_name(p), np.asarray(v)) for p, v in leaves if np.ndim(v) == 1]
         truth = {}
@@ -91,11 +90,10 @@ class FitResult:
     def plot(self, true=None, path=None):
         """Loss histories and (with `true`) recovered vs true parameters; saves to
         `path` if given and returns the matplotlib figure."""
-        import jax
-        import matplotlib
+        import matplotlib  # optional (the `plot` extra): imported when a plot is asked for
         if path is not None:
             matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after use("Agg"), which must come first
         ncols = 2 if true is not None else 1
         fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 4), squeeze=False)
         ax = axes[0, 0]

@@ -1,0 +1,137 @@
+"""The engine contract: what the router reads (`Request`) and what an engine serves.
+
+An engine is a small final `eqx.Module` that says what it runs (`methods`), which
+tasks the router may give it unasked (`routes`), and implements one or more of three
+capabilities, each a mixin with one abstract method:
+
+- `Solves.solve(prob, cfg)`: a forward solve;
+- `Records.record(prob, cfg, params, y0)`: a `gs.Mesh` (its `recorder` names it);
+- `Differentiates.ys_function(prob, cfg, mode)`: a pure function to differentiate.
+
+A forward-only engine implements `Solves` alone; the router never asks it for a
+gradient. `supports` returns the engine's own refusals (Diffrax not installed, ...);
+the rules common to all engines (task, method, continuous extension) and to all Warp
+engines (fused form, d cutoff) are the router's, in router.py.
+"""
+
+import abc
+import dataclasses
+from typing import ClassVar
+
+import equinox as eqx
+
+from ..methods import default_for, names
+
+
+TASKS = ("solve", "record", "gradient")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What the router reads about a call, so that an engine can refuse it before
+    anything is traced.
+
+    Attributes:
+        gradient: a gradient (or a mesh for one) is wanted, not only a solve.
+        stiff, d: the problem's stiffness flag and state dimension.
+        method: the method asked for, or None (each engine's default: `methods.default_for`).
+        fused: the field has a fused (Warp) form; `fused_why` says why not.
+        jacobian: that form carries a Jacobian (for the stiff fused kernel).
+        rtol: the relative tolerance asked for.
+        mode: `"reverse"` or `"forward"` (gradients).
+        interpolate: `ts` served from a continuous extension.
+        ts: output times were asked for.
+        dtype: the problem's floating dtype, by name.
+        shared_module: the `gs.Shared` parameters hold an Equinox module (an MLP).
+        warp: the caller's `fused=` choice: True asks for a Warp engine, False keeps
+            the request off every Warp engine, None lets the router choose.
+    """
+
+    gradient: bool
+    stiff: bool
+    d: int
+    method: str | None = None
+    fused: bool = False
+    jacobian: bool = False
+    rtol: float | None = None
+    fused_why: str | None = None
+    mode: str = "reverse"
+    interpolate: bool = False
+    ts: bool = False
+    dtype: str = "float64"
+    shared_module: bool = False
+    warp: bool | None = None
+
+    @property
+    def task(self) -> str:
+        return "gradient" if self.gradient else "solve"
+
+
+class Engine(eqx.Module):
+    """An engine. Subclass it with one or more of `Solves`, `Records`,
+    `Differentiates`, set the class attributes, and add one line to the registry in
+    `gradsolve/engines/__init__.py` (or call `gs.engines.register`).
+
+    Class attributes:
+        name: the name results carry and `engine=` accepts.
+        methods: the integration methods it runs.
+        routes: the tasks (`"solve"`, `"gradient"`) the router may choose it for when
+            no engine is named, in registry order; an engine with none runs only by name.
+        warp: it runs Warp kernels (the router's fused-form rules apply to it).
+        gradients_by: for a forward-only engine, the engine that differentiates
+            what it solves (named in its refusal of a gradient request).
+    """
+
+    name: ClassVar[str]
+    methods: ClassVar[tuple[str, ...]] = names()
+    routes: ClassVar[tuple[str, ...]] = ()
+    warp: ClassVar[bool] = False
+    gradients_by: ClassVar[str | None] = None
+
+    def serves(self, task: str) -> bool:
+        """Whether this engine implements `task` (one of `TASKS`)."""
+        return isinstance(self, {"solve": Solves, "record": Records,
+                                 "gradient": Differentiates}[task])
+
+    def runs(self, method: str) -> bool:
+        return method in self.methods
+
+    def default_method(self, request: Request) -> str:
+        """The method this engine runs when the request names none."""
+        return default_for(request.stiff, self.methods)
+
+    def method_refusal(self, method: str) -> str:
+        """Why this engine does not run `method`."""
+        return f"engine {self.name!r} runs {self.methods}, not {method!r}"
+
+    def supports(self, request: Request) -> str | None:
+        """`None` if nothing particular to this engine stops it serving `request`,
+        else the reason (the router checks the task, the method and, for Warp engines,
+        the fused form itself)."""
+        return None
+
+
+class Solves(eqx.Module):
+    @abc.abstractmethod
+    def solve(self, prob, cfg):
+        """Forward solve: `(ys, status, n_accepted, n_rejected)`."""
+
+
+class Records(eqx.Module):
+    recorder: ClassVar[str]  # the name its meshes carry (`Mesh.recorder`)
+
+    @abc.abstractmethod
+    def record(self, prob, cfg, params=None, y0=None):
+        """The `gs.Mesh` of every trajectory at `params`, `y0` (default the problem's)."""
+
+
+class Differentiates(eqx.Module):
+    @abc.abstractmethod
+    def ys_function(self, prob, cfg, mode: str):
+        """A pure function `(mesh, params, y0) -> ys` to differentiate (`mesh` is None
+        for an engine that does not record)."""
+
+
+def recorder_of(engine) -> str | None:
+    """The recorder whose meshes `engine` differentiates, or None."""
+    return engine.recorder if isinstance(engine, Records) else None
