@@ -6,10 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench setup clean
 
-$(STAMP): pyproject.toml
+# Installs the exact versions the tests last passed with (constraints.txt; its header
+# says how to refresh it); pyproject.toml keeps the ranges the library supports.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,plot]"
+	$(PY) -m pip install --quiet -e ".[test,plot]" -c constraints.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -28,6 +30,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/grad_vs_diffrax.py
 	$(PY) benchmarks/stiff_and_high_order.py
 	$(PY) benchmarks/fit_vs_diffrax.py
+	$(PY) benchmarks/fused_forward.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
