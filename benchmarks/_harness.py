@@ -1,0 +1,303 @@
+"""The one benchmark harness: timing, matched accuracy, targets, the JSON record and
+the docs sections. Each script under benchmarks/ only declares what it compares:
+
+    run(SCRIPT, SECTIONS, render, targets, args)
+
+- `SECTIONS`: {name: measure(args) -> JSON-able dict}; `--only NAME` reruns one
+  section and keeps the other sections' stored results.
+- `render(sections) -> {block: markdown}`: each block is written between
+  `<!-- SCRIPT/block:start -->` and `<!-- SCRIPT/block:end -->` in
+  docs/benchmarks.md, always from the stored JSON, never from memory.
+- `targets(sections) -> [target(...)]`: stored in the JSON; the summary table at the
+  top of docs/benchmarks.md is built from the targets of every stored JSON.
+
+Named `_harness` (not `_common`) so that it cannot shadow recipes/_common.py when a
+script puts recipes/ on sys.path.
+"""
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from importlib import metadata  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = ROOT / "docs" / "benchmarks.md"
+SCRIPTS = ("grad_vs_diffrax", "stiff_and_high_order", "fit_vs_diffrax", "fused_forward")
+PACKAGES = ("gradsolve", "jax", "jaxlib", "diffrax", "equinox", "optax", "warp-lang",
+            "numpy", "scipy")
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+# --------------------------------------------------------------------------- timing
+
+def warm(fn, repeats):
+    """One untimed call (it compiles), then `repeats` timed calls: the median excludes
+    compilation; the first call's time is kept apart."""
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    first = time.perf_counter() - t
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return {"median_s": float(np.median(times)), "times_s": times, "first_call_s": first}
+
+
+def ratio(a, b):
+    """a / b, None when either is missing (same-run ratios only: both from one run)."""
+    return a / b if a and b else None
+
+
+@contextlib.contextmanager
+def cpu_threads(n):
+    """Warp CPU launches on `n` threads through the public setting
+    GRADSOLVE_CPU_THREADS, read at every launch ("1": one launch on one thread;
+    None: unset, one thread per core)."""
+    old = os.environ.pop("GRADSOLVE_CPU_THREADS", None)
+    if n is not None:
+        os.environ["GRADSOLVE_CPU_THREADS"] = str(n)
+    try:
+        yield
+    finally:
+        os.environ.pop("GRADSOLVE_CPU_THREADS", None)
+        if old is not None:
+            os.environ["GRADSOLVE_CPU_THREADS"] = old
+
+
+# ----------------------------------------------------------------- matched accuracy
+
+def front(points):
+    """The Pareto front of (error, seconds) points, fastest first: a point both slower
+    and less accurate than another is dropped (it would make time(error) multivalued)."""
+    kept, best = [], np.inf
+    for e, t in sorted((p for p in points if p[0] and p[1] and p[0] > 0),
+                       key=lambda p: (p[1], p[0])):
+        if e < best:
+            kept.append((e, t))
+            best = e
+    return kept
+
+
+def time_at(front_, error):
+    """Seconds to reach `error` on a front, log(time) interpolated linearly in
+    log(error); None outside the front's error range."""
+    errs, times = np.log([p[0] for p in front_]), np.log([p[1] for p in front_])
+    if not front_ or not errs.min() - 0.05 <= np.log(error) <= errs.max() + 0.05:
+        return None
+    order = np.argsort(errs)
+    return float(np.exp(np.interp(np.log(error), errs[order], times[order])))
+
+
+def overlap(a, b):
+    """[lo, hi]: the errors both fronts reach (ends within 5% count as touching), or None."""
+    if not a or not b:
+        return None
+    lo = max(min(p[0] for p in a), min(p[0] for p in b))
+    hi = min(max(p[0] for p in a), max(p[0] for p in b))
+    return [lo, max(lo, hi)] if lo <= hi * 1.05 else None
+
+
+def levels(span, n=4):
+    """`n` errors spread log-evenly over `span`."""
+    return [float(e) for e in np.geomspace(*span, n)] if span[1] > span[0] else [span[0]]
+
+
+# -------------------------------------------------------------------------- targets
+
+def target(what, op, bound, values):
+    """One row of a target table, computed: `values` {where: measured ratio}; met when
+    every value meets `op bound`."""
+    ok = [v is not None and (v >= bound if op == ">=" else v <= bound)
+          for v in values.values()]
+    status = ("not measured" if not values else "met" if all(ok)
+              else "missed" if not any(ok) else "partly met")
+    return {"what": what, "target": f"{op} {bound:g}x", "values": values, "status": status}
+
+
+def measured(row):
+    return ", ".join(f"{k}: {fmt(v)}x" for k, v in row["values"].items()) or "-"
+
+
+def target_table(rows):
+    return md_table(["benchmark", "target", "measured", "verdict"],
+                    [[r["what"], r["target"], measured(r), r["status"]] for r in rows])
+
+
+# ------------------------------------------------------------------------ reporting
+
+def fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def md_table(head, rows):
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                     + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+def machine():
+    """CPU model, cores, memory, platform and package versions."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                  if ln.startswith("model name")), platform.processor())
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    versions = {}
+    for pkg in PACKAGES:
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    return {"cpu_model": model, "cores": os.cpu_count(), "memory_gib": round(mem, 1),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "device": str(jax.devices()[0]), "versions": versions}
+
+
+def git(*args):
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def stamp(args):
+    """When, on what code and under what load a section ran."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git("rev-parse", "--short", "HEAD"),
+            "src_uncommitted": bool(git("status", "--porcelain", "--", "src")),
+            "load_start": list(os.getloadavg()), "quick": args.quick,
+            "threads": os.environ.get("GRADSOLVE_CPU_THREADS") or "one per core",
+            "command": " ".join(["benchmarks/" + Path(sys.argv[0]).name] + sys.argv[1:])}
+
+
+def jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, (np.generic, np.ndarray)):
+        return x.tolist()
+    return x
+
+
+def run_block(script, report):
+    """The machine and, per section, when and how it ran."""
+    m = report["machine"]
+    v = ", ".join(f"{k} {x}" for k, x in m["versions"].items() if x)
+    runs = "; ".join(
+        f"{name}: {s['run']['date']}, commit {s['run']['commit']}"
+        + (" + uncommitted src/" if s["run"]["src_uncommitted"] else "")
+        + f", load average {s['run']['load_start'][0]:.1f} at start, "
+        f"{s['run']['wall_s'] / 60:.1f} min" + (", **quick run**" if s["run"]["quick"] else "")
+        for name, s in report["sections"].items())
+    return (f"Machine: {m['cpu_model']} ({m['cores']} cores, {m['memory_gib']} GiB), "
+            f"{m['platform']}; {v}. Runs: {runs}. Reproduce: `.venv/bin/python "
+            f"benchmarks/{script}.py` (`--only SECTION` for one); raw numbers: "
+            f"`benchmarks/results/{script}.json`.")
+
+
+def write_block(text, name, body):
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    block = f"{start}\n{body.strip()}\n{end}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        return head + block + rest.split(end, 1)[1]
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def summary():
+    """The targets of every stored JSON, one table."""
+    rows = []
+    for script in SCRIPTS:
+        path = RESULTS / f"{script}.json"
+        if path.exists():
+            report = json.loads(path.read_text())
+            quick = any(s["run"]["quick"] for s in report["sections"].values())
+            rows += [[r["what"] + (" (quick run)" if quick else ""), r["target"],
+                      measured(r), r["status"], f"`{script}`"] for r in report["targets"]]
+    return md_table(["benchmark", "target", "measured", "verdict", "script"], rows)
+
+
+def write_docs(script, blocks, report, docs=DOCS):
+    text = docs.read_text() if docs.exists() else "# Benchmarks\n"
+    for name, body in blocks.items():
+        text = write_block(text, f"{script}/{name}", body)
+    text = write_block(text, f"{script}/run", run_block(script, report))
+    text = write_block(text, "summary", summary())
+    docs.write_text(text)
+
+
+# ------------------------------------------------------------------ command line
+
+def int_list(text):
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def cli(doc, sections, extra=None, argv=None):
+    """The one parser: --quick, --only SECTION, --sizes, --repeats, --threads,
+    --render (rewrite the docs from the stored JSON), --no-write."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    ap.add_argument("--only", action="append", choices=list(sections),
+                    help="run this section only (repeatable); keep the others' stored results")
+    ap.add_argument("--sizes", type=int_list, help="ensemble sizes of the main sweep")
+    ap.add_argument("--repeats", type=int, help="timed repeats per measurement")
+    ap.add_argument("--threads", type=int,
+                    help="GRADSOLVE_CPU_THREADS for the whole run (default: one per core)")
+    ap.add_argument("--render", action="store_true",
+                    help="only rewrite docs/benchmarks.md from the stored JSON")
+    ap.add_argument("--no-write", action="store_true",
+                    help="print the tables; write neither JSON nor docs")
+    if extra:
+        extra(ap)
+    return ap.parse_args(argv)
+
+
+def run(script, sections, render, targets, args):
+    """Measure the chosen sections, store the JSON, regenerate the docs from it."""
+    path = RESULTS / f"{script}.json"
+    stored = json.loads(path.read_text()) if path.exists() else {}
+    if not args.render:
+        if args.threads:
+            os.environ["GRADSOLVE_CPU_THREADS"] = str(args.threads)
+        done = {k: v for k, v in stored.get("sections", {}).items()
+                if args.only and k in sections and k not in args.only}
+        for name in args.only or sections:
+            log(f"== {script}: {name}")
+            st, t = stamp(args), time.perf_counter()
+            data = sections[name](args)
+            st.update(wall_s=time.perf_counter() - t, load_end=list(os.getloadavg()))
+            done[name] = {"run": st, **data}
+        done = {k: done[k] for k in sections if k in done}
+        report = json.loads(json.dumps(jsonable(
+            {"script": script, "machine": machine(), "sections": done})))
+        report["targets"] = targets(report["sections"])
+        if args.no_write:
+            log("\n\n".join(render(report["sections"]).values()))
+            log(target_table(report["targets"]))
+            return report
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        log(f"wrote {path.relative_to(ROOT)}")
+    report = json.loads(path.read_text())
+    write_docs(script, render(report["sections"]), report)
+    log(f"wrote {DOCS.relative_to(ROOT)}")
+    return report
