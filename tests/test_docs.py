@@ -8,7 +8,7 @@ import pytest
 
 MODULES = ["gradsolve.problem", "gradsolve.mesh", "gradsolve.record", "gradsolve.replay",
            "gradsolve.grad", "gradsolve.solve", "gradsolve.router", "gradsolve.status",
-           "gradsolve.methods._tableau", "gradsolve.fields._systems", "gradsolve.fields._warp",
+           "gradsolve.methods._tableau", "gradsolve.fields._systems", "gradsolve.warp._registry",
            "gradsolve.calibrate._calibrator", "gradsolve.calibrate._transforms"]
 
 

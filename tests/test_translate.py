@@ -93,8 +93,8 @@ def _sir_problem(n=6, dtype=jnp.float64):
 def sir_registered():
     gs.register_field("sir", _sir)
     yield
-    from gradsolve.fields import _warp
-    _warp.TRANSLATED.pop(_sir)
+    from gradsolve.warp import _registry
+    _registry.TRANSLATED.pop(_sir)
 
 
 def test_registered_user_field_runs_fused_and_matches_general(sir_registered):
@@ -205,7 +205,7 @@ def test_translated_field_and_jacobian_equal_jax_pointwise():
     # sqrt/log/sin/... may differ in the last bits (+ - * / agree exactly): measured on
     # the CPU 9.9e-18 (f) and 5.5e-19 (J) relative to the largest entry; the bound,
     # 1e-15, leaves a few ulps for CUDA's libm (within 2 ulp of correctly rounded).
-    from gradsolve.warp import _codegen, _runtime
+    from gradsolve.warp import _kernels, _runtime
     wp = _runtime.warp()
     rng = np.random.default_rng(11)
     n = 16
@@ -215,9 +215,9 @@ def test_translated_field_and_jacobian_equal_jax_pointwise():
     y = y.at[:, 1].set(jnp.abs(y[:, 1]) + 0.1)  # keep b ** -2 finite
     t = jnp.asarray(rng.uniform(0.0, 3.0, n))
     source = _translate.translate(_many_primitives, params, y, stiff=True)
-    probe = _codegen._header(3, 64) + source + """
+    probe = _kernels.header(3, 64) + source + """
 
-@wp.kernel
+@wp.kernel(enable_backward=False)
 def probe(y: wp.array2d(dtype=T), p: wp.array2d(dtype=T), s: wp.array(dtype=T),
           t: wp.array(dtype=T), f_out: wp.array2d(dtype=T), j_out: wp.array3d(dtype=T)):
     i = wp.tid()

@@ -22,7 +22,7 @@ from .config import check_interpolate, make_config
 from .engines import ENGINES, Engine, Request
 from .problem import _is_shared
 from .warp import _runtime
-from .fields._warp import fused_form
+from .warp._registry import fused_form
 
 
 # The state-dimension cutoff of the Warp engines, per Warp device. On a GPU the limit

@@ -13,7 +13,7 @@ from ..warp._fused import run_fused
 from ._base import Engine, Solves
 
 
-# The methods the kernel generator writes (warp/_codegen.py: explicit Runge--Kutta
+# The methods the kernel generator writes (warp/_steps.py: explicit Runge--Kutta
 # with Tsit5's tableau, and Rosenbrock23).
 FUSED_METHODS = ("tsit5", "rosenbrock23")
 

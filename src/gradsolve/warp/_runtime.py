@@ -27,7 +27,7 @@ _NO_DRIVER = "Could not find or load the NVIDIA CUDA driver"
 def warp():
     """The `warp` module, initialised quietly (no banner, no per-module timings, no
     warning about a missing CUDA driver on a CPU-only machine)."""
-    import warp as wp
+    import warp as wp  # Warp loads (and starts its compiler) only when a fused engine runs
 
     wp.config.log_level = wp.LOG_ERROR
     with _native_stderr() as printed:

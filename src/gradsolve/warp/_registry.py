@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..warp import _translate
-from . import _systems
+from ..fields import _systems
+from . import _translate
 
 
 @dataclasses.dataclass(frozen=True)

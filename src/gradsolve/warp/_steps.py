@@ -1,0 +1,199 @@
+"""Step bodies of the fused kernels, generated from the one tableau.
+
+Everything here is Warp source text written from the objects the JAX steps read: the
+stage arithmetic is unrolled from the tableaux in `gradsolve.methods`, every
+coefficient emitted as `T(literal)` with all its digits, and the step control
+(`error_ratio`, `step_factor`) is a generated copy of the rules in `gradsolve.control`,
+built from its constants. The kernels do not call `control.py` (it is JAX); they embed
+these copies, and the tests check that both take the same steps.
+
+A method contributes two pieces (`for_method`):
+
+- the *trial* step, a list of statements from `(t, y, f0, h, i)` to
+  `(y_new, err, f_new)`, which the kernel skeleton (`_kernels`) copies once per lane;
+- the *plain* step, a `@wp.func plain(t, y, h, p, s, i) -> V` without error estimate,
+  for the requested outputs `ts`.
+"""
+
+import numpy as np
+
+from .. import control
+from ..methods import ExplicitRungeKutta, Rosenbrock23
+
+
+def lit(x) -> str:
+    """A float as a typed Warp literal with all its digits: `T(0.1)`."""
+    return f"T({float(x)!r})"
+
+
+def _combo(weights, names):
+    """`T(w0) * k0 + T(w1) * k1 ...` over nonzero weights."""
+    terms = [f"{lit(w)} * {k}" for w, k in zip(weights, names) if w != 0]
+    return " + ".join(terms) if terms else "V()"
+
+
+_CONTROL = '''
+
+@wp.func
+def error_ratio(y: V, y_new: V, err: V, rtol: T, atol: T) -> T:
+    # RMS of err / (atol + rtol max(|y|, |y_new|)); NaN reads as an infinite error
+    # (control.error_ratio).
+    bad = int(0)
+    for k in range(D):
+        if wp.isnan(y_new[k]):
+            bad = 1
+    acc = T(0.0)
+    for k in range(D):
+        e = err[k]
+        if wp.isnan(e):
+            return T(1.0e300)
+        yn = y_new[k]
+        if bad == 1:
+            yn = y[k]
+        q = e / (atol + rtol * wp.max(wp.abs(y[k]), wp.abs(yn)))
+        acc = acc + q * q
+    return wp.sqrt(acc / {d_float})
+
+
+@wp.func
+def step_factor(ratio: T, accept: int) -> T:
+    # control.propose: integral control, factor clipped to [1, MAX] after an accepted
+    # step and to [MIN, SAFETY] after a rejected one.
+    lo = T(1.0)
+    hi = {factor_max}
+    if accept == 0:
+        lo = {factor_min}
+        hi = {safety}
+    elif ratio >= {ratio_no_growth}:
+        return lo  # the factor would be below 1: skip exp and log, a fifth of the run
+    factor = {safety} * wp.exp(wp.log(ratio) * (-{inv_order}))
+    return wp.min(wp.max(factor, lo), hi)
+
+
+@wp.func
+def finite(y: V) -> int:
+    for k in range(D):
+        if not wp.isfinite(y[k]):
+            return 0
+    return 1
+'''
+
+
+def control_source(method, d: int) -> str:
+    """`error_ratio`, `step_factor` and `finite`: generated copies of
+    `control.error_ratio` and `control.propose` with its constants and the method's
+    error order."""
+    return _CONTROL.format(d_float=lit(d), safety=lit(control.SAFETY),
+                           factor_min=lit(control.FACTOR_MIN),
+                           factor_max=lit(control.FACTOR_MAX),
+                           inv_order=lit(1.0 / method.error_order),
+                           ratio_no_growth=lit(1.001 * control.SAFETY ** method.error_order))
+
+
+def _erk_trial(tab) -> list[str]:
+    s = tab.stages
+    body = ["k0 = f0"]
+    names = ["k0"]
+    for i in range(1, s):
+        arg = _combo(tab.a_lower[i - 1], names)
+        body.append(f"k{i} = field(t + {lit(tab.c[i - 1])} * h, y + h * ({arg}), p, s, i)")
+        names.append(f"k{i}")
+    body.append(f"y_new = y + h * ({_combo(tab.b, names)})")
+    # As methods._erk.error_estimate: sum_{j>0} w_j (k_j - k_0), no cancellation.
+    diffs = [f"({k} - k0)" for k in names[1:]]
+    body.append(f"err = h * ({_combo(tab.b_error[1:], diffs)})")
+    body.append(f"f_new = {f'k{s - 1}' if tab.fsal else 'field(t + h, y_new, p, s, i)'}")
+    return body
+
+
+def _erk_plain(tab) -> str:
+    names = [f"k{i}" for i in range(tab.stages)]
+    n_plain = int(np.flatnonzero(tab.b)[-1]) + 1
+    lines = ["", "", "@wp.func",
+             "def plain(t: T, y: V, h: T, p: wp.array2d(dtype=T), s: wp.array(dtype=T), "
+             "i: int) -> V:",
+             "    k0 = field(t, y, p, s, i)"]
+    for i in range(1, n_plain):
+        arg = _combo(tab.a_lower[i - 1], names[:i])
+        lines.append(f"    k{i} = field(t + {lit(tab.c[i - 1])} * h, y + h * ({arg}), p, s, i)")
+    lines.append(f"    return y + h * ({_combo(tab.b[:n_plain], names[:n_plain])})")
+    return "\n".join(lines) + "\n"
+
+
+_INVERSE = '''
+
+@wp.func
+def inverse(A: M) -> M:
+    # Gauss--Jordan elimination with partial pivoting: W is factored once per step
+    # and every stage is a matrix-vector product with its inverse.
+    a = A
+    inv = wp.identity(n=D, dtype=T)
+    for c in range(D):
+        piv = c
+        big = wp.abs(a[c, c])
+        for r in range(c + 1, D):
+            if wp.abs(a[r, c]) > big:
+                big = wp.abs(a[r, c])
+                piv = r
+        if piv != c:
+            for k in range(D):
+                tmp = a[c, k]
+                a[c, k] = a[piv, k]
+                a[piv, k] = tmp
+                tmp = inv[c, k]
+                inv[c, k] = inv[piv, k]
+                inv[piv, k] = tmp
+        scale = T(1.0) / a[c, c]
+        for k in range(D):
+            a[c, k] = a[c, k] * scale
+            inv[c, k] = inv[c, k] * scale
+        for r in range(D):
+            if r != c:
+                m = a[r, c]
+                for k in range(D):
+                    a[r, k] = a[r, k] - m * a[c, k]
+                    inv[r, k] = inv[r, k] - m * inv[c, k]
+    return inv
+'''
+
+
+def _rosenbrock23_trial(method: Rosenbrock23) -> list[str]:
+    e32 = lit(method.tableau.e32)
+    return [
+        "Wi = w_inverse(t, y, h, p, s, i)",
+        "k1 = Wi * f0",
+        "f1 = field(t + T(0.5) * h, y + (T(0.5) * h) * k1, p, s, i)",
+        "k2 = Wi * (f1 - k1) + k1",
+        "y_new = y + h * k2",
+        "f_new = field(t + h, y_new, p, s, i)",
+        f"k3 = Wi * (f_new - {e32} * (k2 - f1) - T(2.0) * (k1 - f0))",
+        "err = (h / T(6.0)) * (k1 - T(2.0) * k2 + k3)",
+    ]
+
+
+def _rosenbrock23_plain(method: Rosenbrock23) -> str:
+    return _INVERSE + f'''
+
+@wp.func
+def w_inverse(t: T, y: V, h: T, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> M:
+    return inverse(wp.identity(n=D, dtype=T) - (h * {lit(method.tableau.d)}) * jac(t, y, p, s, i))
+
+
+@wp.func
+def plain(t: T, y: V, h: T, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> V:
+    if h == T(0.0):
+        return y
+    Wi = w_inverse(t, y, h, p, s, i)
+    k1 = Wi * field(t, y, p, s, i)
+    f1 = field(t + T(0.5) * h, y + (T(0.5) * h) * k1, p, s, i)
+    return y + h * (Wi * (f1 - k1) + k1)
+'''
+
+
+def for_method(method) -> tuple[list[str], str]:
+    """`(trial statements, plain-step source)` for a method the fused kernels run."""
+    if isinstance(method, ExplicitRungeKutta):
+        return _erk_trial(method.tableau), _erk_plain(method.tableau)
+    if isinstance(method, Rosenbrock23):
+        return _rosenbrock23_trial(method), _rosenbrock23_plain(method)
+    raise ValueError(f"the fused kernels run tsit5 and rosenbrock23, not {method.name!r}")

@@ -1,0 +1,69 @@
+"""The launch driver (`gradsolve.warp._launch`) on a small kernel of its own: the
+header it writes, outputs per trajectory, accumulators summed over launches, chunking
+by the memory budget and a subset of rows -- against NumPy."""
+
+import numpy as np
+import pytest
+
+from gradsolve.warp import _kernels, _launch, _runtime
+from gradsolve.warp._launch import accumulator, count, output, per_trajectory, scalar, shared
+
+
+SCALE = _launch.Signature((
+    per_trajectory("x", 2), shared("w"), scalar("a"), count("m"),
+    output("y", 2), output("steps", dtype=_launch.INT32), accumulator("total", 2),
+))
+
+BODY = """
+    i = wp.tid()
+    if i < m:
+        for k in range(2):
+            y[i, k] = a * x[i, k] * w[k]
+            wp.atomic_add(total, k, x[i, k])
+        if x[i, 0] > T(0.0):
+            steps[i] = 1
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return _runtime.load(_kernels.header(2, 64) + "\n" + SCALE.header("scale") + BODY).scale
+
+
+def test_header_is_written_from_the_signature():
+    text = SCALE.header("scale")
+    assert text.startswith("@wp.kernel(enable_backward=False)\ndef scale(")
+    for piece in ("x: wp.array2d(dtype=T)", "w: wp.array(dtype=T)", "a: T", "m: int",
+                  "y: wp.array2d(dtype=T)", "steps: wp.array(dtype=wp.int32)",
+                  "total: wp.array(dtype=T)"):
+        assert piece in text
+    with pytest.raises(ValueError, match="exactly one count"):
+        _launch.Signature((per_trajectory("x", 2),))
+    with pytest.raises(ValueError, match="repeated parameter names"):
+        _launch.Signature((count("m"), output("m")))
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 80])  # one chunk; two trajectories a chunk (36 B each)
+def test_outputs_and_accumulators_equal_numpy(kernel, budget):
+    # Products of two float64 numbers and sums of 37 of them: the sums depend on the
+    # order of addition only in the last bits (bound 1e-14 relative); the products are
+    # exact in both. Rows 0..36 out of 50, in any chunks: the same numbers bit for bit.
+    rng = np.random.default_rng(0)
+    n = 50
+    x, w = rng.normal(size=(n, 2)), rng.normal(size=2)
+    rows = np.arange(37)
+    out = _launch.run(kernel, SCALE, dict(x=x, w=w, a=1.5), n=n, dtype=np.float64,
+                      lanes=1, budget=budget, rows=rows)
+    np.testing.assert_array_equal(out.y, 1.5 * x[rows] * w)
+    np.testing.assert_array_equal(out.steps, x[rows, 0] > 0)
+    assert out.steps.dtype == np.int32
+    np.testing.assert_allclose(out.total, x[rows].sum(axis=0), rtol=1e-14)
+    whole = _launch.run(kernel, SCALE, dict(x=x, w=w, a=1.5), n=n, dtype=np.float64,
+                        lanes=1, budget=1 << 30, rows=rows)
+    np.testing.assert_array_equal(out.y, whole.y)
+
+
+def test_per_trajectory_inputs_must_have_n_rows(kernel):
+    with pytest.raises(ValueError, match="x: 3 rows, expected 4"):
+        _launch.run(kernel, SCALE, dict(x=np.zeros((3, 2)), w=np.zeros(2), a=1.0), n=4,
+                    dtype=np.float64, lanes=1, budget=1 << 30)
