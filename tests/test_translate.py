@@ -2,6 +2,9 @@
 translated kernels against the hand-written ones and against the general (JAX)
 engines, which share no code with the translation."""
 
+import warnings
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,23 +202,12 @@ def _many_primitives(t, y, p):
     return jnp.stack([out0, out1, out2])
 
 
-def test_translated_field_and_jacobian_equal_jax_pointwise():
-    # Evaluate the translated `field` and `jac` in a Warp kernel at random points and
-    # compare with JAX's f and jax.jacfwd(f). Warp's libm and XLA's own
-    # sqrt/log/sin/... may differ in the last bits (+ - * / agree exactly): measured on
-    # the CPU 9.9e-18 (f) and 5.5e-19 (J) relative to the largest entry; the bound,
-    # 1e-15, leaves a few ulps for CUDA's libm (within 2 ulp of correctly rounded).
+def _evaluate(source, d, params, y, t):
+    """The translated `field` and `jac` at the points (t[i], y[i]) with trajectory i's
+    parameters, evaluated in a Warp kernel: `(f (n, d), J (n, d, d))`."""
     from gradsolve.warp import _kernels, _runtime
     wp = _runtime.warp()
-    rng = np.random.default_rng(11)
-    n = 16
-    params = {"k": jnp.asarray(rng.uniform(0.5, 2.0, n)),
-              "w": gs.Shared(jnp.asarray(rng.normal(size=3)))}
-    y = jnp.asarray(rng.uniform(0.1, 1.0, (n, 3)) * rng.choice([-1, 1], (n, 3)))
-    y = y.at[:, 1].set(jnp.abs(y[:, 1]) + 0.1)  # keep b ** -2 finite
-    t = jnp.asarray(rng.uniform(0.0, 3.0, n))
-    source = _translate.translate(_many_primitives, params, y, stiff=True)
-    probe = _kernels.header(3, 64) + source + """
+    probe = _kernels.header(d, 64) + source + """
 
 @wp.kernel(enable_backward=False)
 def probe(y: wp.array2d(dtype=T), p: wp.array2d(dtype=T), s: wp.array(dtype=T),
@@ -232,18 +224,126 @@ def probe(y: wp.array2d(dtype=T), p: wp.array2d(dtype=T), s: wp.array(dtype=T),
             j_out[i, k, c] = J[k, c]
 """
     module = _runtime.load(probe)
+    n = len(y)
     P, S = _translate.pack(params, n)
-    arr = lambda x: wp.array(np.asarray(x, np.float64), dtype=wp.float64, device=_runtime.device())
-    f_out = wp.zeros((n, 3), dtype=wp.float64, device=_runtime.device())
-    j_out = wp.zeros((n, 3, 3), dtype=wp.float64, device=_runtime.device())
+    dev = _runtime.device()
+    arr = lambda x: wp.array(np.asarray(x, np.float64), dtype=wp.float64, device=dev)
+    f_out = wp.zeros((n, d), dtype=wp.float64, device=dev)
+    j_out = wp.zeros((n, d, d), dtype=wp.float64, device=dev)
     wp.launch(module.probe, dim=n, inputs=[arr(y), arr(P), arr(S), arr(t), f_out, j_out],
-              device=_runtime.device())
-    one = lambda i: {"k": params["k"][i], "w": params["w"].value}
-    f_ref = np.stack([_many_primitives(t[i], y[i], one(i)) for i in range(n)])
-    j_ref = np.stack([jax.jacfwd(_many_primitives, argnums=1)(t[i], y[i], one(i))
-                      for i in range(n)])
-    assert rel_err(f_out.numpy(), f_ref) < 1e-15
-    assert rel_err(j_out.numpy(), j_ref) < 1e-15
+              device=dev)
+    return f_out.numpy(), j_out.numpy()
+
+
+def _jax_reference(f, params, y, t):
+    """JAX's f and jax.jacfwd(f) at the same points, trajectory by trajectory."""
+    shared = lambda x: isinstance(x, gs.Shared)
+    one = lambda i: jax.tree.map(lambda x: x.value if shared(x) else x[i] if eqx.is_array(x) else x,
+                                 params, is_leaf=shared)
+    f_ref = np.stack([f(t[i], y[i], one(i)) for i in range(len(y))])
+    j_ref = np.stack([jax.jacfwd(f, argnums=1)(t[i], y[i], one(i)) for i in range(len(y))])
+    return f_ref, j_ref
+
+
+def test_translated_field_and_jacobian_equal_jax_pointwise():
+    # Evaluate the translated `field` and `jac` in a Warp kernel at random points and
+    # compare with JAX's f and jax.jacfwd(f). Warp's libm and XLA's own
+    # sqrt/log/sin/... may differ in the last bits (+ - * / agree exactly): measured on
+    # the CPU 9.9e-18 (f) and 5.5e-19 (J) relative to the largest entry; the bound,
+    # 1e-15, leaves a few ulps for CUDA's libm (within 2 ulp of correctly rounded).
+    rng = np.random.default_rng(11)
+    n = 16
+    params = {"k": jnp.asarray(rng.uniform(0.5, 2.0, n)),
+              "w": gs.Shared(jnp.asarray(rng.normal(size=3)))}
+    y = jnp.asarray(rng.uniform(0.1, 1.0, (n, 3)) * rng.choice([-1, 1], (n, 3)))
+    y = y.at[:, 1].set(jnp.abs(y[:, 1]) + 0.1)  # keep b ** -2 finite
+    t = jnp.asarray(rng.uniform(0.0, 3.0, n))
+    source = _translate.translate(_many_primitives, params, y, stiff=True)
+    f_out, j_out = _evaluate(source, 3, params, y, t)
+    f_ref, j_ref = _jax_reference(_many_primitives, params, y, t)
+    assert rel_err(f_out, f_ref) < 1e-15
+    assert rel_err(j_out, j_ref) < 1e-15
+
+
+def _mlp_field(t, y, p):
+    return p["net"](y) + p["own"](y) - y
+
+
+def _mlp_params(width, n, key):
+    """A Shared tanh MLP (weights in s[:]) and a per-trajectory linear layer (weights
+    in p[i, :], built with eqx.filter_vmap): both kinds of parameter block."""
+    k1, k2 = jax.random.split(key)
+    net = eqx.nn.MLP(3, 3, width, 2, activation=jnp.tanh, key=k1)
+    own = eqx.filter_vmap(lambda k: eqx.nn.Linear(3, 3, key=k))(jax.random.split(k2, n))
+    return {"net": gs.Shared(net), "own": own}
+
+
+def test_mlp_products_are_loops_over_the_parameter_arrays():
+    # dot_general with a parameter block is a loop over p / s, not one statement per
+    # weight: from width 16 to 32 the weights grow about 4x (16*16 -> 32*32 in the
+    # middle layer) and the code 1.5x (measured: field 122 -> 186 lines, jac 560 ->
+    # 944; unrolled, width 32 took 2526 and 10320 lines). The loops compute what JAX
+    # does, the same products summed in the same order, so only tanh's libm differs
+    # (measured 7.8e-17 (f) and 1.6e-16 (J) relative to the largest entry; bound 2e-15).
+    n = 8
+    rng = np.random.default_rng(3)
+    y = jnp.asarray(rng.normal(size=(n, 3)))
+    t = jnp.zeros(n)
+    lines = {}
+    for width in (16, 32):
+        params = _mlp_params(width, n, jax.random.key(width))
+        source = _translate.translate(_mlp_field, params, y, stiff=True)
+        field, jac = source.split("def jac")
+        lines[width] = (len(field.splitlines()), len(jac.splitlines()))
+        assert "for r in range(" in field and "p[i, " in field and "s[" in field
+    assert lines[32][0] < 2 * lines[16][0] and lines[32][1] < 2 * lines[16][1], lines
+    f_out, j_out = _evaluate(source, 3, params, y, t)
+    f_ref, j_ref = _jax_reference(_mlp_field, params, y, t)
+    assert rel_err(f_out, f_ref) < 2e-15
+    assert rel_err(j_out, j_ref) < 2e-15
+
+
+def _cond_field(t, y, p):
+    return jax.lax.cond(t < 1.0, lambda y: -p["k"] * y, lambda y: p["k"] * y, y)
+
+
+def test_refusal_names_the_primitive_and_what_to_write_instead():
+    prob = gs.EnsembleProblem(_cond_field, jnp.ones((2, 1)), {"k": jnp.ones(2)}, (0.0, 2.0))
+    with pytest.raises(_translate.UntranslatableField,
+                       match=r"JAX primitive 'cond'.*jnp\.where"):
+        _translate.translate(prob.f_jax, prob.params, prob.y0, stiff=False)
+
+
+def test_register_field_with_an_example_refuses_at_registration():
+    # An explicit registration of a field that cannot be translated raises there, not
+    # at the first solve; nothing stays registered.
+    from gradsolve.warp import _registry
+    prob = gs.EnsembleProblem(_cond_field, jnp.ones((2, 1)), {"k": jnp.ones(2)}, (0.0, 2.0))
+    with pytest.raises(ValueError, match=r"'cond'.*jnp\.where"):
+        gs.register_field("cond", _cond_field, example=prob)
+    assert _cond_field not in _registry.TRANSLATED
+    with pytest.raises(ValueError, match="example: expected an EnsembleProblem whose f_jax"):
+        gs.register_field("sir", _sir, example=prob)
+
+
+def test_registered_field_that_fails_later_warns_once_and_solves(monkeypatch):
+    # Registered without an example, the refusal is found at the first routing: a
+    # warning names it, the solve takes the general path (correct against the closed
+    # form y0 exp(-k t) on t < 1, then exp(k (t - 1)); measured 1.2e-9 componentwise at
+    # rtol 1e-8, bound ~10x), a second solve of the same shape does not warn again.
+    from gradsolve.warp import _registry
+    field = lambda t, y, p: _cond_field(t, y, p)  # a new function object
+    monkeypatch.setitem(_registry.TRANSLATED, field, ("cond", False))
+    prob = gs.EnsembleProblem(field, jnp.ones((2, 1)), {"k": jnp.asarray([0.5, 1.0])},
+                              (0.0, 0.5))
+    with pytest.warns(UserWarning, match=r"register_field\('cond'\).*'cond'.*general"):
+        sol = gs.solve(prob, rtol=1e-8, atol=1e-10)
+    assert sol.engine != "fused" and sol.ok
+    exact = np.exp(-0.5 * np.asarray(prob.params["k"]))[:, None]
+    assert rel_err_componentwise(sol.ys, exact) < 1.5e-8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gs.solve(prob, rtol=1e-8, atol=1e-10)
 
 
 def _sign_field(t, y, p):

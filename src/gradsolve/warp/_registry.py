@@ -15,6 +15,7 @@ problem whose `f_jax` is a registered function can take the fused engines.
 """
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -198,17 +199,25 @@ TRANSLATED: dict[Callable, tuple[str, bool]] = {}
 _TRANSLATIONS: dict = {}
 
 
-def register_field(name: str, f_jax: Callable, stiff: bool = False) -> None:
+def register_field(name: str, f_jax: Callable, stiff: bool = False, *, example=None) -> None:
     """Give a JAX right-hand side a fused (Warp) form, translated from its jaxpr.
 
-    The translation happens per problem shape, when a problem with this `f_jax` is
-    first routed; a field the translator cannot handle (the error names the JAX
-    primitive) takes the general path, with that reason in `passed_over`.
+    The translation depends on the problem's shapes, so it happens when a problem with
+    this `f_jax` is first routed -- or here, when `example` (a problem that uses
+    `f_jax`) is given: a field the translator cannot handle then raises at once. Found
+    later, a refusal (naming the JAX primitive, with what to write instead) warns once
+    per problem shape and the problem takes the general path, with the reason in
+    `passed_over`.
 
     Args:
         name: a name for messages.
         f_jax: `f(t, y, args)` of one trajectory, the function the problems use.
         stiff: also translate its Jacobian (`jax.jacfwd`), for the stiff fused kernel.
+        example: an `EnsembleProblem` with this `f_jax` to translate now.
+
+    Raises:
+        UntranslatableField: (a ValueError) `example` given and the field uses
+            something the translator does not handle.
 
     Examples:
         >>> import jax.numpy as jnp, gradsolve as gs
@@ -216,10 +225,10 @@ def register_field(name: str, f_jax: Callable, stiff: bool = False) -> None:
         ...     s, i, r = y
         ...     return jnp.stack([-p["beta"] * s * i, p["beta"] * s * i - p["gamma"] * i,
         ...                       p["gamma"] * i])
-        >>> gs.register_field("sir", sir)
         >>> prob = gs.EnsembleProblem(sir, jnp.tile(jnp.array([0.99, 0.01, 0.0]), (4, 1)),
         ...                           {"beta": jnp.linspace(1.0, 2.0, 4),
         ...                            "gamma": jnp.full(4, 0.3)}, (0.0, 10.0))
+        >>> gs.register_field("sir", sir, example=prob)
         >>> gs.solve(prob).engine
         'fused'
     """
@@ -227,14 +236,23 @@ def register_field(name: str, f_jax: Callable, stiff: bool = False) -> None:
         raise TypeError(f"f_jax must be callable, got {type(f_jax).__name__}")
     if f_jax in REGISTRY:
         raise ValueError(f"{name!r}: this function already has a hand-written fused form")
+    if example is not None and getattr(example, "f_jax", None) is not f_jax:
+        raise ValueError(f"example: expected an EnsembleProblem whose f_jax is the field "
+                         f"{name!r} being registered, got {type(example).__name__}")
     TRANSLATED[f_jax] = (str(name), bool(stiff))
+    if example is not None:
+        field, why = fused_form(example, warn=False)
+        if field is None:
+            del TRANSLATED[f_jax]
+            raise _translate.UntranslatableField(why)
 
 
-def fused_form(prob, params=None) -> tuple[FusedField | None, str | None]:
+def fused_form(prob, params=None, *, warn=True) -> tuple[FusedField | None, str | None]:
     """The fused form of `prob`'s right-hand side and, when there is none, why.
 
     Hand-written forms come first; then `register_field` entries and problems built
-    with `fused=True` are translated (cached per shape and parameter layout).
+    with `fused=True` are translated (cached per shape and parameter layout). A
+    registered field that fails to translate warns (once per shape) when `warn`.
     """
     try:
         field = REGISTRY.get(prob.f_jax)
@@ -243,6 +261,7 @@ def fused_form(prob, params=None) -> tuple[FusedField | None, str | None]:
         return None, "f_jax is not hashable, so it cannot have a fused form"
     if field is not None:
         return field, None
+    registered = entry is not None
     if entry is None and getattr(prob, "fused", False):
         entry = (prob.name or "field", prob.stiff)
     if entry is None:
@@ -259,5 +278,8 @@ def fused_form(prob, params=None) -> tuple[FusedField | None, str | None]:
         except Exception as err:  # noqa: BLE001 - a translator gap must not break solve
             _TRANSLATIONS[key] = (None, f"{entry[0]!r} has no fused form: the translator "
                                         f"failed ({type(err).__name__}: {err})")
+        why = _TRANSLATIONS[key][1]
+        if why is not None and registered and warn:
+            warnings.warn(f"gs.register_field({entry[0]!r}): {why}; its problems take the "
+                          f"general (JAX) path", stacklevel=2)
     return _TRANSLATIONS[key]
-

@@ -3,16 +3,26 @@
 The field of ONE trajectory, `f(t, y, args)`, is traced to a jaxpr at the problem's
 state dimension and parameter shapes; the jaxpr is then evaluated symbolically, every
 array held as a NumPy object array of scalars. A scalar is a Python number (a
-constant: folded on the spot) or a `_Sym`, the name of a Warp local variable that one
-emitted statement assigns. Arrays exist only at translation time: the Warp function
-is straight-line scalar code, as the hand-written fields are. Stiff fields also get
-`jac`, the translation of `jax.jacfwd(f, argnums=1)`.
+constant: folded on the spot), a `_Sym` (the name of a Warp local that one emitted
+statement assigns, or an entry of a local vector), or a `_Param` (an entry `p[i, k]`
+or `s[k]` of the parameter arrays). Stiff fields also get `jac`, the translation of
+`jax.jacfwd(f, argnums=1)`.
+
+Each JAX primitive has one handler in `RULES` (`handler(builder, params, *ins) ->
+list of outputs`), as in Equinox's jaxpr interpreters: the elementwise ones are made
+from `_UNARY` and `_BINARY`, the structural ones (slices, reshapes, calls, ...) are
+written out. Most emit straight-line scalar code, as the hand-written fields are.
+`dot_general` with one operand a block of parameters laid out with constant strides
+(an `eqx.nn.Linear` weight, a Shared matrix) is emitted as a loop over the parameter
+array (`_looped_dot`), so the generated code grows with a layer's width, not with its
+weight count; small products are unrolled.
 
 Parameters: per-trajectory leaves become columns of `p[i, :]`, `gs.Shared` leaves
-entries of `s[:]`, in pytree order (`_layout`); the packer lays out the same order.
+entries of `s[:]`, in pytree order (`_flat`); the packer lays out the same order.
 
-A primitive outside `_UNARY`, `_BINARY` and the structural rules is refused with
-`UntranslatableField` naming it; the router then takes the general path.
+A primitive without a rule is refused with `UntranslatableField` naming it (and, for
+the common ones, what to write instead: `HINTS`); the router then takes the general
+path.
 """
 
 import dataclasses
@@ -34,7 +44,7 @@ class UntranslatableField(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class _Sym:
-    """A Warp scalar local, by name; `boolean` for comparison results."""
+    """A Warp scalar, by its source text; `boolean` for comparison results."""
 
     name: str
     boolean: bool = False
@@ -43,17 +53,44 @@ class _Sym:
         return self.name
 
 
+@dataclasses.dataclass(frozen=True)
+class _Param(_Sym):
+    """Entry `index` of a parameter array: `p[i, index]` (`array="p"`, the trajectory's
+    own) or `s[index]` (`array="s"`, shared)."""
+
+    array: str = "s"
+    index: int = 0
+
+
+def _param(array: str, index: int) -> _Param:
+    return _Param(f"p[i, {index}]" if array == "p" else f"s[{index}]", array=array, index=index)
+
+
 class _Builder:
-    """Collects the emitted statements and names the locals."""
+    """Collects the emitted statements, names the locals and declares the vector
+    types the loops use."""
 
     def __init__(self):
         self.lines: list[str] = []
+        self.types: dict[int, str] = {}
         self._count = itertools.count()
 
+    def name(self) -> str:
+        return f"v{next(self._count)}"
+
     def emit(self, expr: str, boolean: bool = False) -> _Sym:
-        sym = _Sym(f"v{next(self._count)}", boolean)
+        sym = _Sym(self.name(), boolean)
         self.lines.append(f"    {sym} = {expr}")
         return sym
+
+    def vector_type(self, length: int) -> str:
+        """The name of the length-`length` vector type of T, declared once."""
+        self.types.setdefault(length, f"VEC{length}")
+        return self.types[length]
+
+    def declarations(self) -> str:
+        return "".join(f"{name} = wp.types.vector(length={n}, dtype=T)\n"
+                       for n, name in sorted(self.types.items()))
 
 
 def _code(x) -> str:
@@ -63,6 +100,10 @@ def _code(x) -> str:
     if isinstance(x, (bool, np.bool_)):
         return "True" if x else "False"
     return f"T({float(x)!r})"
+
+
+def _is_const(x) -> bool:
+    return not isinstance(x, _Sym)
 
 
 # Elementwise primitives: (constant folding, Warp expression). Constants fold in
@@ -113,11 +154,32 @@ _BINARY = {
     "or": (lambda a, b: a or b, "{0} or {1}"),
 }
 
-# Primitives whose one parameter is a jaxpr to evaluate in place.
-_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
-          "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
-          "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
-          "remat": "jaxpr", "checkpoint": "jaxpr"}
+_LOGICAL = {"lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not"}
+
+# What to write instead of a primitive the translator refuses.
+HINTS = {
+    "cond": "write both branches and choose with jnp.where",
+    "switch": "write every branch and choose with jnp.where",
+    "while": "use a Python for loop over a fixed count (it unrolls when traced)",
+    "scan": "use a Python for loop over a fixed count (it unrolls when traced)",
+    "sign": "write jnp.where(x > 0, 1.0, jnp.where(x < 0, -1.0, 0.0))",
+    "sort": "no sorting network is generated; keep this field on the general path",
+    "gather": "index with static Python integers or slices (y[0], y[1:3])",
+    "dynamic_slice": "index with static Python integers or slices (y[0], y[1:3])",
+}
+
+
+def _refuse(name: str, what: str = "has no Warp translation"):
+    hint = HINTS.get(name)
+    return UntranslatableField(f"the JAX primitive {name!r} {what}"
+                               + (f" ({hint})" if hint else ""))
+
+
+def _apply(builder, fold, template, *scalars, boolean=False):
+    if all(_is_const(x) for x in scalars):
+        return fold(*scalars)
+    # Parenthesise every operand: templates compose them with operators.
+    return builder.emit(template.format(*(f"({_code(x)})" for x in scalars)), boolean)
 
 
 def _elementwise(fn, *arrays):
@@ -128,49 +190,295 @@ def _elementwise(fn, *arrays):
     return out
 
 
-def _is_const(x) -> bool:
-    return not isinstance(x, _Sym)
+def _mul(builder, a, b):
+    return _apply(builder, *_BINARY["mul"], a, b)
 
 
-_LOGICAL = {"lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not"}
+def _add(builder, a, b):
+    return _apply(builder, *_BINARY["add"], a, b)
 
 
-def _apply(builder, fold, template, *scalars, boolean=False):
-    if all(_is_const(x) for x in scalars):
-        return fold(*scalars)
-    # Parenthesise every operand: templates compose them with operators.
-    return builder.emit(template.format(*(f"({_code(x)})" for x in scalars)), boolean)
+# The table: JAX primitive name -> handler(builder, params, *ins) -> list of outputs.
+RULES = {}
 
 
-def _dot_general(builder, lhs, rhs, dimension_numbers):
-    (lc, rc), (lb, rb) = dimension_numbers
+def _rule(*names):
+    def register(handler):
+        for name in names:
+            RULES[name] = handler
+        return handler
+    return register
+
+
+def _unary_rule(name):
+    fold, template = _UNARY[name]
+    boolean = name in _LOGICAL
+
+    def handler(builder, params, x):
+        if name == "not":
+            _refuse_bitwise(name, x)
+        return [_elementwise(lambda a: _apply(builder, fold, template, a, boolean=boolean), x)]
+    return handler
+
+
+def _binary_rule(name):
+    fold, template = _BINARY[name]
+    boolean = name in _LOGICAL
+
+    def handler(builder, params, x, y):
+        if name in ("and", "or"):
+            _refuse_bitwise(name, x, y)
+        return [_elementwise(lambda a, b: _apply(builder, fold, template, a, b,
+                                                 boolean=boolean), x, y)]
+    return handler
+
+
+def _refuse_bitwise(name, *ins):
+    """Warp's and/or/not are logical: on integers (JAX's bitwise ops) they differ."""
+    if any(isinstance(x, _Sym) and not x.boolean for a in ins for x in np.ravel(a)):
+        raise _refuse(name, "on integers (bitwise) has no Warp translation")
+
+
+RULES.update({name: _unary_rule(name) for name in _UNARY})
+RULES.update({name: _binary_rule(name) for name in _BINARY})
+
+
+@_rule("integer_pow")
+def _integer_pow(builder, params, x):
+    y = params["y"]
+
+    def power(a):
+        if y == 0:
+            return 1.0
+        result = None
+        for _ in range(abs(y)):  # a * a * ... left to right, as written by hand
+            result = a if result is None else _mul(builder, result, a)
+        return result if y > 0 else _apply(builder, *_BINARY["div"], 1.0, result)
+    return [_elementwise(power, x)]
+
+
+@_rule("select_n")
+def _select_n(builder, params, *ins):
+    def select(pred, *cases):
+        if _is_const(pred):
+            return cases[int(pred)]
+        if len(cases) != 2:
+            raise UntranslatableField("select_n with more than two cases")
+        return builder.emit(f"wp.where({_code(pred)}, {_code(cases[1])}, {_code(cases[0])})")
+    return [_elementwise(select, *ins)]
+
+
+@_rule("convert_element_type")
+def _convert_element_type(builder, params, x):
+    target = np.dtype(params["new_dtype"])
+    if target.kind == "f":
+        def to_float(a):
+            if _is_const(a):
+                return float(a)
+            return builder.emit(f"wp.where({a}, T(1.0), T(0.0))") if a.boolean else a
+        return [_elementwise(to_float, x)]
+    if all(_is_const(a) for a in x.ravel()):
+        return [_elementwise(lambda a: target.type(a).item(), x)]
+    raise UntranslatableField(f"convert_element_type to {target} of a traced value")
+
+
+@_rule("copy", "copy_p", "stop_gradient", "reduce_precision")
+def _identity(builder, params, x):
+    return [x]
+
+
+# Primitives whose one parameter is a jaxpr to evaluate in place: the parameter's name.
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+          "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
+          "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
+          "remat": "jaxpr", "checkpoint": "jaxpr"}
+
+
+def _call_rule(key):
+    def handler(builder, params, *ins):
+        inner = params[key]
+        jaxpr, consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, ())
+        return _eval(builder, jaxpr, consts, ins[:len(jaxpr.invars)])
+    return handler
+
+
+RULES.update({name: _call_rule(key) for name, key in _CALLS.items()})
+
+
+@_rule("slice")
+def _slice(builder, params, x):
+    strides = params["strides"] or (1,) * x.ndim
+    return [x[tuple(slice(a, b, c) for a, b, c in
+                    zip(params["start_indices"], params["limit_indices"], strides))]]
+
+
+@_rule("squeeze")
+def _squeeze(builder, params, x):
+    return [np.squeeze(x, axis=tuple(params["dimensions"]))]
+
+
+@_rule("reshape")
+def _reshape(builder, params, x):
+    return [x.reshape(params["new_sizes"])]
+
+
+@_rule("expand_dims")
+def _expand_dims(builder, params, x):
+    return [np.expand_dims(x, tuple(params["dimensions"]))]
+
+
+@_rule("broadcast_in_dim")
+def _broadcast_in_dim(builder, params, x):
+    shape, dims = params["shape"], params["broadcast_dimensions"]
+    keep = [1] * len(shape)
+    for src, dst in enumerate(dims):
+        keep[dst] = x.shape[src]
+    return [np.broadcast_to(x.reshape(keep), shape).copy()]
+
+
+@_rule("transpose")
+def _transpose(builder, params, x):
+    return [x.transpose(params["permutation"])]
+
+
+@_rule("concatenate")
+def _concatenate(builder, params, *ins):
+    return [np.concatenate(ins, axis=params["dimension"])]
+
+
+@_rule("stack")
+def _stack(builder, params, *ins):
+    return [np.stack(ins, axis=params["axis"])]
+
+
+@_rule("split")
+def _split(builder, params, x):
+    return np.split(x, np.cumsum(params["sizes"])[:-1], axis=params["axis"])
+
+
+@_rule("iota")
+def _iota(builder, params):
+    shape, dim = params["shape"], params["dimension"]
+    return [np.asarray(np.indices(shape)[dim].tolist(), dtype=object)]
+
+
+def _reduce_rule(op):
+    def handler(builder, params, x):
+        axes = tuple(params["axes"])
+        moved = np.moveaxis(x, axes, range(x.ndim - len(axes), x.ndim))
+        flat = moved.reshape(moved.shape[:x.ndim - len(axes)] + (-1,))
+        out = np.empty(flat.shape[:-1], dtype=object)
+        for index in np.ndindex(out.shape):
+            acc = flat[index][0]
+            for term in flat[index][1:]:
+                acc = _apply(builder, *_BINARY[op], acc, term)
+            out[index] = acc
+        return [out]
+    return handler
+
+
+RULES.update({"reduce_sum": _reduce_rule("add"), "reduce_max": _reduce_rule("max"),
+              "reduce_min": _reduce_rule("min")})
+
+
+# A product with a parameter block of at least this many entries is emitted as a loop
+# over the parameter array; smaller ones are unrolled (no loop overhead; the same
+# arithmetic in the same order either way).
+LOOP_MIN_ENTRIES = 16
+
+
+def _strides(block) -> tuple[str, int, tuple[int, ...]] | None:
+    """`(array, base, strides)` when every entry of `block` is a `_Param` of one array
+    at `base + sum(strides[j] * index[j])`, else None."""
+    first = block.flat[0] if block.size else None
+    if not isinstance(first, _Param):
+        return None
+    strides = []
+    for axis in range(block.ndim):
+        step = [0] * block.ndim
+        step[axis] = 1
+        other = block[tuple(step)] if block.shape[axis] > 1 else first
+        if not isinstance(other, _Param):
+            return None
+        strides.append(other.index - first.index)
+    for index in np.ndindex(block.shape):
+        x = block[index]
+        if not (isinstance(x, _Param) and x.array == first.array
+                and x.index == first.index + sum(s * k for s, k in zip(strides, index))):
+            return None
+    return first.array, first.index, tuple(strides)
+
+
+def _looped_dot(builder, weights, layout, vectors):
+    """`out[g, r] = sum_c weights[r, c] * vectors[g, c]` with `weights` a parameter
+    block `layout = (array, base, (row stride, column stride))`: one loop per vector
+    over the parameter array. Returns an object array (G, R) of vector entries."""
+    array, base, (row, col) = layout
+    rows, cols = weights.shape
+
+    def entry(c):
+        index = f"{base} + r * {row} + {c} * {col}"
+        return f"p[i, {index}]" if array == "p" else f"s[{index}]"
+
+    vin, vout = builder.vector_type(cols), builder.vector_type(rows)
+    out = np.empty((len(vectors), rows), dtype=object)
+    for g, x in enumerate(vectors):
+        xs = builder.emit(f"{vin}({', '.join(_code(v) for v in x)})")
+        ys = builder.name()
+        builder.lines += [f"    {ys} = {vout}()",
+                          f"    for r in range({rows}):",
+                          f"        acc_{ys} = {entry(0)} * {xs}[0]",
+                          f"        for c in range(1, {cols}):",
+                          f"            acc_{ys} = acc_{ys} + {entry('c')} * {xs}[c]",
+                          f"        {ys}[r] = acc_{ys}"]
+        out[g] = [_Sym(f"{ys}[{r}]") for r in range(rows)]
+    return out
+
+
+@_rule("dot_general")
+def _dot_general(builder, params, lhs, rhs):
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
     lfree = [a for a in range(lhs.ndim) if a not in lc and a not in lb]
     rfree = [a for a in range(rhs.ndim) if a not in rc and a not in rb]
     lhs = lhs.transpose(list(lb) + lfree + list(lc))
     rhs = rhs.transpose(list(rb) + rfree + list(rc))
     nb, nk = len(lb), len(lc)
     batch, lshape, rshape = lhs.shape[:nb], lhs.shape[nb:lhs.ndim - nk], rhs.shape[nb:rhs.ndim - nk]
+    k = int(np.prod(lhs.shape[lhs.ndim - nk:], dtype=int))
+    if not nb and k > 1:
+        # (free entries, contracted entries) matrices; one side a strided parameter block?
+        L = lhs.reshape(-1, k)
+        R = rhs.reshape(-1, k)
+        for weights, vectors, weights_first in ((L, R, True), (R, L, False)):
+            layout = _strides(weights)
+            if weights.size >= LOOP_MIN_ENTRIES and layout is not None:
+                out = _looped_dot(builder, weights, layout, vectors)  # (vectors, weights)
+                out = out.T if weights_first else out
+                return [out.reshape(lshape + rshape)]
     out = np.empty(batch + lshape + rshape, dtype=object)
     for b in np.ndindex(batch):
         for li in np.ndindex(lshape):
             for ri in np.ndindex(rshape):
-                terms = [_apply(builder, *_BINARY["mul"], x, y) for x, y in
-                         zip(lhs[b + li].ravel(), rhs[b + ri].ravel())]
+                terms = [_mul(builder, x, y)
+                         for x, y in zip(lhs[b + li].ravel(), rhs[b + ri].ravel())]
                 acc = terms[0] if terms else 0.0
                 for term in terms[1:]:
-                    acc = _apply(builder, *_BINARY["add"], acc, term)
+                    acc = _add(builder, acc, term)
                 out[b + li + ri] = acc
-    return out
+    return [out]
 
 
-def _integer_pow(builder, x, y):
-    if y == 0:
-        return 1.0
-    base = x
-    result = None
-    for _ in range(abs(y)):  # x * x * ... left to right, as written by hand
-        result = base if result is None else _apply(builder, *_BINARY["mul"], result, base)
-    return result if y > 0 else _apply(builder, *_BINARY["div"], 1.0, result)
+def _check_rules(jaxpr):
+    """Refuse, before translating anything, the first primitive without a rule (in
+    called jaxprs too): a `lax.cond` is named as such, not by the conversion of its
+    predicate that comes first."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name not in RULES:
+            raise _refuse(name)
+        if name in _CALLS:
+            inner = eqn.params[_CALLS[name]]
+            _check_rules(getattr(inner, "jaxpr", inner))
 
 
 def _eval(builder, jaxpr, consts, args):
@@ -186,99 +494,10 @@ def _eval(builder, jaxpr, consts, args):
     for var, val in zip(jaxpr.invars, args):
         env[var] = val
     for eqn in jaxpr.eqns:
-        name, params = eqn.primitive.name, eqn.params
-        ins = [read(v) for v in eqn.invars]
-        outs = _primitive(builder, name, params, ins)
+        outs = RULES[eqn.primitive.name](builder, eqn.params, *(read(v) for v in eqn.invars))
         for var, val in zip(eqn.outvars, outs):
             env[var] = np.asarray(val, dtype=object)
     return [read(v) for v in jaxpr.outvars]
-
-
-def _primitive(builder, name, params, ins):
-    """The outputs of one jaxpr equation, as object arrays."""
-    boolean = name in _LOGICAL
-    if name in ("and", "or", "not") and any(
-            isinstance(x, _Sym) and not x.boolean for a in ins for x in np.ravel(a)):
-        raise UntranslatableField(f"the JAX primitive {name!r} on integers (bitwise)")
-    if name in _UNARY:
-        fold, template = _UNARY[name]
-        return [_elementwise(lambda a: _apply(builder, fold, template, a, boolean=boolean),
-                             ins[0])]
-    if name in _BINARY:
-        fold, template = _BINARY[name]
-        return [_elementwise(lambda a, b: _apply(builder, fold, template, a, b,
-                                                 boolean=boolean), *ins)]
-    if name == "integer_pow":
-        return [_elementwise(lambda a: _integer_pow(builder, a, params["y"]), ins[0])]
-    if name == "select_n":
-        def select(pred, *cases):
-            if _is_const(pred):
-                return cases[int(pred)]
-            if len(cases) != 2:
-                raise UntranslatableField("select_n with more than two cases")
-            return builder.emit(f"wp.where({_code(pred)}, {_code(cases[1])}, {_code(cases[0])})")
-        return [_elementwise(select, *ins)]
-    if name == "convert_element_type":
-        target = np.dtype(params["new_dtype"])
-        if target.kind == "f":
-            def to_float(a):
-                if _is_const(a):
-                    return float(a)
-                return builder.emit(f"wp.where({a}, T(1.0), T(0.0))") if a.boolean else a
-            return [_elementwise(to_float, ins[0])]
-        if all(_is_const(a) for a in ins[0].ravel()):
-            return [_elementwise(lambda a: target.type(a).item(), ins[0])]
-        raise UntranslatableField(f"convert_element_type to {target} of a traced value")
-    if name in ("copy", "copy_p", "stop_gradient", "reduce_precision"):
-        return [ins[0]]
-    if name in _CALLS:
-        inner = params[_CALLS[name]]
-        jaxpr, consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, ())
-        return _eval(builder, jaxpr, consts, ins[:len(jaxpr.invars)])
-    x = ins[0] if ins else None
-    if name == "slice":
-        strides = params["strides"] or (1,) * x.ndim
-        return [x[tuple(slice(a, b, c) for a, b, c in
-                        zip(params["start_indices"], params["limit_indices"], strides))]]
-    if name == "squeeze":
-        return [np.squeeze(x, axis=tuple(params["dimensions"]))]
-    if name == "reshape":
-        return [x.reshape(params["new_sizes"])]
-    if name == "expand_dims":
-        return [np.expand_dims(x, tuple(params["dimensions"]))]
-    if name == "broadcast_in_dim":
-        shape, dims = params["shape"], params["broadcast_dimensions"]
-        keep = [1] * len(shape)
-        for src, dst in enumerate(dims):
-            keep[dst] = x.shape[src]
-        return [np.broadcast_to(x.reshape(keep), shape).copy()]
-    if name == "transpose":
-        return [x.transpose(params["permutation"])]
-    if name == "concatenate":
-        return [np.concatenate(ins, axis=params["dimension"])]
-    if name == "stack":
-        return [np.stack(ins, axis=params["axis"])]
-    if name == "split":
-        cuts = np.cumsum(params["sizes"])[:-1]
-        return np.split(x, cuts, axis=params["axis"])
-    if name == "iota":
-        shape, dim = params["shape"], params["dimension"]
-        return [np.asarray(np.indices(shape)[dim].tolist(), dtype=object)]
-    if name == "dot_general":
-        return [_dot_general(builder, ins[0], ins[1], params["dimension_numbers"])]
-    if name in ("reduce_sum", "reduce_max", "reduce_min"):
-        op = {"reduce_sum": "add", "reduce_max": "max", "reduce_min": "min"}[name]
-        axes = tuple(params["axes"])
-        moved = np.moveaxis(x, axes, range(x.ndim - len(axes), x.ndim))
-        flat = moved.reshape(moved.shape[:x.ndim - len(axes)] + (-1,))
-        out = np.empty(flat.shape[:-1], dtype=object)
-        for index in np.ndindex(out.shape):
-            acc = flat[index][0]
-            for term in flat[index][1:]:
-                acc = _apply(builder, *_BINARY[op], acc, term)
-            out[index] = acc
-        return [out]
-    raise UntranslatableField(f"the JAX primitive {name!r} has no Warp translation")
 
 
 def _flat(params):
@@ -327,10 +546,10 @@ def _inputs(one, shared, d):
     for leaf, is_shared in zip(jax.tree.leaves(one), shared, strict=True):
         size = int(np.size(leaf))
         if is_shared:
-            names = [_Sym(f"s[{index + k}]") for k in range(size)]
+            names = [_param("s", index + k) for k in range(size)]
             index += size
         else:
-            names = [_Sym(f"p[i, {column + k}]") for k in range(size)]
+            names = [_param("p", column + k) for k in range(size)]
             column += size
         leaves.append(np.asarray(names, dtype=object).reshape(np.shape(leaf)))
     y = np.asarray([_Sym(f"y[{k}]") for k in range(d)], dtype=object)
@@ -342,6 +561,7 @@ def _function(name, f, t, y, one, shared, d, result_type, size):
     # function) are closed over, so they are traced into the jaxpr like f itself.
     one, code = eqx.partition(one, eqx.is_array)
     closed = jax.make_jaxpr(lambda t, y, a: f(t, y, eqx.combine(a, code)))(t, y, one)
+    _check_rules(closed.jaxpr)
     builder = _Builder()
     outs = _eval(builder, closed.jaxpr, closed.consts, _inputs(one, shared, d))
     out = np.asarray(outs[0], dtype=object)
@@ -350,7 +570,8 @@ def _function(name, f, t, y, one, shared, d, result_type, size):
     header = (f"@wp.func\ndef {name}(t: T, y: V, p: wp.array2d(dtype=T), "
               f"s: wp.array(dtype=T), i: int) -> {result_type}:")
     values = ", ".join(_code(x) for x in out.ravel())
-    return "\n".join([header, *builder.lines, f"    return {result_type}({values})", ""])
+    return "\n".join([builder.declarations() + header, *builder.lines,
+                      f"    return {result_type}({values})", ""])
 
 
 def translate(f_jax, params, y0, *, stiff: bool) -> str:
