@@ -1,6 +1,8 @@
 """Step-size control: the error norm, the accept/reject rule, the step-size factor and
-the first step. One home for all four; the recorder (and, later, the fused kernels)
-call these functions.
+the first step. One home for all four: the JAX recorder calls these functions; the
+fused Warp kernels embed copies generated from this module's constants
+(`gradsolve/warp/_steps.py`) and take their first step from `initial_step` here
+(through `recorder.first_step`).
 
 The rules equal Diffrax's `PIDController(rtol, atol)` defaults (integral control,
 `safety=0.9`, `factormin=0.2`, `factormax=10`), including its details: an accepted

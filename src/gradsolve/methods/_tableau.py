@@ -1,8 +1,8 @@
 """Explicit Runge--Kutta tableaux as data.
 
 A tableau is plain NumPy in a frozen dataclass, checked when it is built. The JAX
-steps in `_erk.py` (and, later, generated Warp kernels) read the same object, so each
-method's coefficients exist exactly once.
+steps in `_erk.py` and the generated Warp step bodies (`gradsolve/warp/_steps.py`)
+read the same object, so each method's coefficients exist exactly once.
 """
 
 import dataclasses
