@@ -110,11 +110,12 @@ def test_engines_declare_what_they_serve():
               for name, e in gs.engines.ENGINES.items()}
     assert serves == {"fused": ("solve",),
                       "fused_replay": ("solve", "record", "gradient"),
+                      "kernel_adjoint": ("solve", "record", "gradient"),
                       "diffrax": ("solve", "gradient"),
                       "general_replay": ("solve", "record", "gradient"),
                       "general": ("solve",)}
     assert {n: gs.engines.recorder_of(e) for n, e in gs.engines.ENGINES.items()} == {
-        "fused": None, "fused_replay": "fused", "diffrax": None,
+        "fused": None, "fused_replay": "fused", "kernel_adjoint": "fused", "diffrax": None,
         "general_replay": "general", "general": None}
     with pytest.raises(ValueError, match="routes 'gradient' but does not serve it"):
         class Broken(gs.engines.Engine, gs.engines.Solves):

@@ -169,7 +169,8 @@ def drained():
 
 
 @pytest.mark.parametrize("engine,mode", [
-    (None, "reverse"), (None, "forward"), ("general_replay", "reverse")])
+    (None, "reverse"), (None, "forward"), ("general_replay", "reverse"),
+    ("kernel_adjoint", "reverse")])
 def test_masked_trajectory_contributes_exactly_zero(drained, engine, mode):
     # The masking rule (replay._replay): a failed trajectory's outputs are exact zeros
     # whatever its record did, so sum(ys^2) gets nothing from it and no gradient -- its

@@ -3,6 +3,8 @@ and one line in `ENGINES` below. The router (router.py) picks one per call.
 
 - `fused`: a Warp kernel, one thread per trajectory, forward only (fused fields).
 - `fused_replay`: the fused (Warp) recorder, then the padded JAX replay.
+- `kernel_adjoint`: the fused recorder, then a Warp forward over its mesh and a Warp
+  backward (the in-kernel adjoint); by name.
 - `diffrax`: Diffrax under `vmap`; forward solves, and gradients as the baseline.
 - `general_replay`: the batched JAX recorder, then the padded JAX replay.
 - `general`: the batched JAX adaptive solve, forward only.
@@ -25,11 +27,13 @@ from .fused import Fused as Fused
 from .fused_replay import FusedReplay as FusedReplay
 from .general import General as General
 from .general_replay import GeneralReplay as GeneralReplay
+from .kernel_adjoint import KernelAdjoint as KernelAdjoint
 
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (
     Fused(),
     FusedReplay(),
+    KernelAdjoint(),
     Diffrax(),
     GeneralReplay(),
     General(),

@@ -190,6 +190,49 @@ def plain(t: T, y: V, h: T, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int
 '''
 
 
+def _erk_step_vjp(tab) -> str:
+    """`step_vjp(t, y, h, lam, ...) -> V`: `lam^T d(plain step)/dy`, adding the
+    parameters' part into `gp`/`gs` through `field_vjp` (`_translate.translate_vjp`).
+
+    The plain step is `y + h sum_j b_j k_j` with `k_j = f(t + c_j h, Y_j)` and
+    `Y_j = y + h sum_{l<j} a_jl k_l`: its adjoint recomputes the stage points `Y_j`
+    from `y`, then walks the stages in reverse -- `adj(k_j) = h b_j lam + h sum_{i>j}
+    a_ij adj(Y_i)`, `adj(Y_j) = field_vjp(Y_j, adj(k_j))` -- and returns
+    `lam + sum_j adj(Y_j)`. Nothing per stage is stored between steps."""
+    n = int(np.flatnonzero(tab.b)[-1]) + 1
+    names = [f"k{j}" for j in range(n)]
+    lines = ["", "", "@wp.func",
+             "def step_vjp(t: T, y: V, h: T, lam: V, p: wp.array2d(dtype=T), "
+             "s: wp.array(dtype=T), i: int, gp: wp.array2d(dtype=T), "
+             "gs: wp.array2d(dtype=T)) -> V:",
+             "    k0 = field(t, y, p, s, i)"]
+    for j in range(1, n):
+        lines.append(f"    Y{j} = y + h * ({_combo(tab.a_lower[j - 1][:j], names[:j])})")
+        if j < n - 1:  # the last stage's slope feeds no later stage
+            lines.append(f"    k{j} = field(t + {lit(tab.c[j - 1])} * h, Y{j}, p, s, i)")
+    for j in range(n):
+        lines.append(f"    ak{j} = (h * {lit(tab.b[j])}) * lam" if tab.b[j] != 0
+                     else f"    ak{j} = V()")
+    lines.append("    adj = lam")
+    for j in range(n - 1, 0, -1):
+        lines.append(f"    aY = field_vjp(t + {lit(tab.c[j - 1])} * h, Y{j}, ak{j}, p, s, i, gp, gs)")
+        lines.append("    adj = adj + aY")
+        for l, a in enumerate(tab.a_lower[j - 1][:j]):
+            if a != 0:
+                lines.append(f"    ak{l} = ak{l} + (h * {lit(a)}) * aY")
+    lines.append("    adj = adj + field_vjp(t, y, ak0, p, s, i, gp, gs)")
+    lines.append("    return adj")
+    return "\n".join(lines) + "\n"
+
+
+def vjp_for_method(method) -> str:
+    """The plain step and its adjoint, for the kernels of `kernel_adjoint`."""
+    if isinstance(method, ExplicitRungeKutta):
+        return _erk_plain(method.tableau) + _erk_step_vjp(method.tableau)
+    raise ValueError(f"the in-kernel adjoint runs explicit Runge--Kutta methods, "
+                     f"not {method.name!r}")
+
+
 def for_method(method) -> tuple[list[str], str]:
     """`(trial statements, plain-step source)` for a method the fused kernels run."""
     if isinstance(method, ExplicitRungeKutta):

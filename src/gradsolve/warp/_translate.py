@@ -62,6 +62,18 @@ class _Param(_Sym):
     index: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Outer(_Sym):
+    """Entry (r, c) of the outer product of the local vectors `u` and `v`: an
+    expression (`name` is `(u[r] * v[c])`), emitted only where it is used -- so a
+    weight cotangent written into a parameter array can be one loop (`_write_block`)."""
+
+    u: str = ""
+    v: str = ""
+    r: int = 0
+    c: int = 0
+
+
 def _param(array: str, index: int) -> _Param:
     return _Param(f"p[i, {index}]" if array == "p" else f"s[{index}]", array=array, index=index)
 
@@ -175,9 +187,21 @@ def _refuse(name: str, what: str = "has no Warp translation"):
                                + (f" ({hint})" if hint else ""))
 
 
+# x + 0, 0 + x, x - 0, x * 1, 1 * x are x exactly (up to the sign of a zero): JAX's
+# derivatives are full of them (the transposes of slices pad with zeros).
+_NEUTRAL = {"{0} + {1}": (0.0, 0.0), "{0} - {1}": (None, 0.0), "{0} * {1}": (1.0, 1.0)}
+
+
 def _apply(builder, fold, template, *scalars, boolean=False):
     if all(_is_const(x) for x in scalars):
         return fold(*scalars)
+    if template in _NEUTRAL and len(scalars) == 2:
+        left, right = _NEUTRAL[template]
+        a, b = scalars
+        if left is not None and _is_const(a) and not isinstance(a, bool) and a == left:
+            return b
+        if _is_const(b) and not isinstance(b, bool) and b == right:
+            return a
     # Parenthesise every operand: templates compose them with operators.
     return builder.emit(template.format(*(f"({_code(x)})" for x in scalars)), boolean)
 
@@ -356,6 +380,26 @@ def _split(builder, params, x):
     return np.split(x, np.cumsum(params["sizes"])[:-1], axis=params["axis"])
 
 
+@_rule("unstack")
+def _unstack(builder, params, x):
+    axis = params["axis"]
+    return [np.take(x, k, axis=axis) for k in range(x.shape[axis])]
+
+
+@_rule("pad")
+def _pad(builder, params, x, value):
+    config = params["padding_config"]
+    shape = tuple(lo + hi + (n + (n - 1) * gap if n else 0)
+                  for n, (lo, hi, gap) in zip(x.shape, config))
+    out = np.empty(shape, dtype=object)
+    out.fill(np.asarray(value, dtype=object)[()])
+    for index in np.ndindex(x.shape):
+        at = tuple(lo + k * (gap + 1) for k, (lo, _, gap) in zip(index, config))
+        if all(0 <= a < n for a, n in zip(at, shape)):
+            out[at] = x[index]
+    return [out]
+
+
 @_rule("iota")
 def _iota(builder, params):
     shape, dim = params["shape"], params["dimension"]
@@ -435,6 +479,17 @@ def _looped_dot(builder, weights, layout, vectors):
     return out
 
 
+def _outer(builder, u, v):
+    """The outer product of two vectors as `_Outer` expressions over two locals."""
+    names = [builder.emit(f"{builder.vector_type(x.size)}({', '.join(_code(e) for e in x)})").name
+             for x in (u, v)]
+    out = np.empty((u.size, v.size), dtype=object)
+    for r, c in np.ndindex(out.shape):
+        out[r, c] = _Outer(f"({names[0]}[{r}] * {names[1]}[{c}])", u=names[0], v=names[1],
+                           r=r, c=c)
+    return out
+
+
 @_rule("dot_general")
 def _dot_general(builder, params, lhs, rhs):
     (lc, rc), (lb, rb) = params["dimension_numbers"]
@@ -445,6 +500,9 @@ def _dot_general(builder, params, lhs, rhs):
     nb, nk = len(lb), len(lc)
     batch, lshape, rshape = lhs.shape[:nb], lhs.shape[nb:lhs.ndim - nk], rhs.shape[nb:rhs.ndim - nk]
     k = int(np.prod(lhs.shape[lhs.ndim - nk:], dtype=int))
+    if not nb and not nk and lhs.ndim == rhs.ndim == 1 \
+            and lhs.size * rhs.size >= LOOP_MIN_ENTRIES:
+        return [_outer(builder, lhs, rhs)]
     if not nb and k > 1:
         # (free entries, contracted entries) matrices; one side a strided parameter block?
         L = lhs.reshape(-1, k)
@@ -532,10 +590,29 @@ def pack(params, n):
     """Per-trajectory parameters `(n, m)` and the shared ones flattened `(k,)`, in the
     order the translated functions read them."""
     flat = _flat(params)
-    per = [np.asarray(x, np.float64).reshape(n, -1) for x, shared in flat if not shared]
-    common = [np.asarray(x, np.float64).ravel() for x, shared in flat if shared]
+    return pack_leaves([x for x, _ in flat], [shared for _, shared in flat], n)
+
+
+def pack_leaves(leaves, shared, n):
+    """`pack` of the array leaves `_flat` lists (`shared`: their flags), as float64."""
+    per = [np.asarray(x, np.float64).reshape(n, -1) for x, sh in zip(leaves, shared) if not sh]
+    common = [np.asarray(x, np.float64).ravel() for x, sh in zip(leaves, shared) if sh]
     return (np.concatenate(per, axis=1) if per else np.zeros((n, 1)),
             np.concatenate(common) if common else np.zeros(1))
+
+
+def unpack_leaves(P, S, leaves, shared):
+    """The inverse of `pack_leaves`: `P (n, m)` and `S (k,)` cut back into arrays of
+    the leaves' shapes and dtypes."""
+    out, column, index = [], 0, 0
+    for x, sh in zip(leaves, shared):
+        size = int(np.size(x)) if sh else int(np.prod(np.shape(x)[1:], dtype=int))
+        if sh:
+            part, index = S[index:index + size], index + size
+        else:
+            part, column = P[:, column:column + size], column + size
+        out.append(np.asarray(part, np.result_type(x)).reshape(np.shape(x)))
+    return out
 
 
 def _inputs(one, shared, d):
@@ -589,3 +666,85 @@ def translate(f_jax, params, y0, *, stiff: bool) -> str:
         jac = lambda t, y, args: jax.jacfwd(f_jax, argnums=1)(t, y, args)
         source += "\n\n" + _function("jac", jac, t, y, one, shared, d, "M", d * d)
     return source
+
+
+def _write_block(builder, values, array: str, base: int):
+    """`array[i, base + q] += values[q]` for the entries of one parameter cotangent:
+    one loop when they are an outer product laid out with constant strides (an
+    `eqx.nn.Linear` weight's), else a statement per nonzero entry."""
+    flat = values.ravel()
+    first = flat[0] if flat.size else None
+    if isinstance(first, _Outer) and flat.size >= LOOP_MIN_ENTRIES \
+            and all(isinstance(x, _Outer) and (x.u, x.v) == (first.u, first.v) for x in flat):
+        rows = max(x.r for x in flat) + 1
+        cols = max(x.c for x in flat) + 1
+        at = {(x.r, x.c): q for q, x in enumerate(flat)}
+        if len(at) == flat.size == rows * cols:
+            row = at.get((1, 0), 0) - at[(0, 0)] if rows > 1 else 0
+            col = at.get((0, 1), 0) - at[(0, 0)] if cols > 1 else 0
+            if all(q == at[(0, 0)] + r * row + c * col for (r, c), q in at.items()):
+                target = f"{array}[i, {base + at[(0, 0)]} + r * {row} + c * {col}]"
+                builder.lines += [f"    for r in range({rows}):",
+                                  f"        for c in range({cols}):",
+                                  f"            {target} = {target} + {first.u}[r] * {first.v}[c]"]
+                return
+    for q, x in enumerate(flat):
+        if _is_const(x) and x == 0:
+            continue
+        target = f"{array}[i, {base + q}]"
+        builder.lines.append(f"    {target} = {target} + {_code(x)}")
+
+
+def translate_vjp(f_jax, params, y0) -> str:
+    """Warp source for the vector-Jacobian product of one trajectory's field:
+
+        field_vjp(t, y, lam, p, s, i, gp, gs) -> V
+
+    returns `lam^T df/dy` and adds `lam^T df/dtheta` into row `i` of `gp` (the
+    trajectory's own parameters, `p`'s layout) and of `gs` (the shared ones, `s`'s
+    layout; rows are summed over trajectories by the caller). It is the translation
+    of the jaxpr of `jax.vjp` of `f_jax` -- JAX's own derivative, written out.
+
+    Raises:
+        UntranslatableField: naming the JAX primitive it cannot translate.
+    """
+    one, shared = _one_trajectory(params), [s for _, s in _flat(params)]
+    d = y0.shape[-1]
+    arrays, code = eqx.partition(one, eqx.is_array)
+    leaves, treedef = jax.tree.flatten(arrays)
+    inexact = [eqx.is_inexact_array(x) for x in leaves]
+
+    def vjp(t, y, leaves, lam):
+        diff = [x for x, keep in zip(leaves, inexact) if keep]
+
+        def f(y, diff):
+            it = iter(diff)
+            full = [next(it) if keep else x for x, keep in zip(leaves, inexact)]
+            return f_jax(t, y, eqx.combine(jax.tree.unflatten(treedef, full), code))
+        _, back = jax.vjp(f, y, diff)
+        return back(lam)
+
+    t = jnp.zeros((), y0.dtype)
+    y = jnp.zeros((d,), y0.dtype)
+    closed = jax.make_jaxpr(vjp)(t, y, leaves, y)
+    _check_rules(closed.jaxpr)
+    builder = _Builder()
+    lam = np.asarray([_Sym(f"lam[{k}]") for k in range(d)], dtype=object)
+    outs = _eval(builder, closed.jaxpr, closed.consts, [*_inputs(arrays, shared, d), lam])
+    dy, grads = np.asarray(outs[0], dtype=object), iter(outs[1:])
+    column = index = 0
+    for leaf, is_shared, keep in zip(leaves, shared, inexact, strict=True):
+        size = int(np.size(leaf))
+        if keep:
+            _write_block(builder, np.asarray(next(grads), dtype=object),
+                         "gs" if is_shared else "gp", index if is_shared else column)
+        if is_shared:
+            index += size
+        else:
+            column += size
+    header = ("@wp.func\ndef field_vjp(t: T, y: V, lam: V, p: wp.array2d(dtype=T), "
+              "s: wp.array(dtype=T), i: int, gp: wp.array2d(dtype=T), "
+              "gs: wp.array2d(dtype=T)) -> V:")
+    values = ", ".join(_code(x) for x in dy.ravel())
+    return "\n".join([builder.declarations() + header, *builder.lines,
+                      f"    return V({values})", ""])

@@ -1,0 +1,208 @@
+"""The in-kernel adjoint: a Warp forward over a recorded mesh, and a Warp backward.
+
+`forward` runs one thread per trajectory over its (zero-padded) step sizes and keeps
+the accepted state at every mesh point, `(n, S + 1, d)`, and nothing per stage; with
+`ts`, each output is one extra plain step from the last mesh point at or before it,
+as the JAX replay does (`gradsolve.replay`). `backward` walks each trajectory's steps
+in reverse: it recomputes a step's stage points from the stored state and applies
+that step's vector-Jacobian product (`_steps.vjp_for_method`, written from the same
+tableau as the forward step), whose field part is the translation of `jax.vjp` of the
+field (`_translate.translate_vjp`) -- no Warp autodiff, no tape through a dynamic
+loop. The cotangents of the `ts` outputs enter at their base points.
+
+Memory: the stored states, `n (S + 1) d` numbers (the JAX replay's reverse sweep
+stores every stage of every step unless remat is on), plus one row of the shared
+parameters' gradient per trajectory (`n x k`), summed on the host in trajectory
+order -- so the shared gradient is the same bit for bit whatever the chunking or the
+thread count, and no atomics are contended.
+
+A step of size zero is skipped in both directions: a padded column is exactly the
+identity, and its adjoint is too.
+"""
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import methods
+from . import _kernels, _launch, _runtime, _steps, _translate
+from ._launch import INT, INT32, count, output, per_trajectory, scalar, shared
+
+
+MEMORY_BUDGET = 1 << 30
+
+FORWARD = _launch.Signature((
+    per_trajectory("y0", "d"), per_trajectory("p", "columns"), shared("s"),
+    per_trajectory("h", "width"), per_trajectory("n_steps", dtype=INT32), shared("ts"),
+    scalar("n_ts", INT), scalar("t0"), scalar("width", INT), count("m"),
+    output("states", "points", "d"), output("tgrid", "points"),
+    output("ys_out", "n_ts", "d"), output("base", "n_ts", dtype=INT32),
+))
+
+BACKWARD = _launch.Signature((
+    per_trajectory("states", "points", "d"), per_trajectory("tgrid", "points"),
+    per_trajectory("h", "width"), per_trajectory("base", "n_ts", dtype=INT32),
+    per_trajectory("ct", "n_ct", "d"), per_trajectory("p", "columns"), shared("s"),
+    shared("ts"), scalar("n_ts", INT), scalar("width", INT), count("m"),
+    output("g_y0", "d"), output("gp", "columns"), output("gs", "k"),
+))
+
+_FORWARD_BODY = """
+    i = wp.tid()
+    if i < m:
+        y = V()
+        for k in range(D):
+            y[k] = y0[i, k]
+            states[i, 0, k] = y[k]
+        t = t0
+        tgrid[i, 0] = t
+        for c in range(width):
+            hc = h[i, c]
+            if hc > T(0.0):
+                y = plain(t, y, hc, p, s, i)
+            t = t + hc
+            tgrid[i, c + 1] = t
+            for k in range(D):
+                states[i, c + 1, k] = y[k]
+        for j in range(n_ts):
+            # The last mesh point at or before ts[j], at most the last accepted one.
+            b = int(0)
+            for c in range(width + 1):
+                if tgrid[i, c] <= ts[j]:
+                    b = c
+            b = wp.min(b, n_steps[i])
+            base[i, j] = b
+            yb = V()
+            for k in range(D):
+                yb[k] = states[i, b, k]
+            out = plain(tgrid[i, b], yb, ts[j] - tgrid[i, b], p, s, i)
+            for k in range(D):
+                ys_out[i, j, k] = out[k]
+"""
+
+_BACKWARD_BODY = """
+    i = wp.tid()
+    if i < m:
+        lam = V()
+        if n_ts == 0:
+            for k in range(D):
+                lam[k] = ct[i, 0, k]
+        j = n_ts - 1
+        for back in range(width + 1):
+            c = width - back
+            yc = V()
+            for k in range(D):
+                yc[k] = states[i, c, k]
+            # The outputs based at mesh point c (base is nondecreasing in j).
+            more = int(1)
+            while more == 1:
+                more = 0
+                if j >= 0:
+                    if base[i, j] == c:
+                        more = 1
+                if more == 1:
+                    ctj = V()
+                    for k in range(D):
+                        ctj[k] = ct[i, j, k]
+                    lam = lam + step_vjp(tgrid[i, c], yc, ts[j] - tgrid[i, c], ctj, p, s, i, gp, gs)
+                    j = j - 1
+            if c > 0:
+                hc = h[i, c - 1]
+                if hc > T(0.0):
+                    yp = V()
+                    for k in range(D):
+                        yp[k] = states[i, c - 1, k]
+                    lam = step_vjp(tgrid[i, c - 1], yp, hc, lam, p, s, i, gp, gs)
+        for k in range(D):
+            g_y0[i, k] = lam[k]
+"""
+
+
+class Program(NamedTuple):
+    """The two kernels of one (field, method, d, dtype, parameter layout)."""
+
+    forward: object
+    backward: object
+    shared: tuple[bool, ...]  # per array leaf of the parameters (`_translate._flat`)
+
+
+def source(f_jax, params, y0, method) -> str:
+    """The generated module: the field, its VJP, the plain step and its adjoint, and
+    the two kernels.
+
+    Raises:
+        UntranslatableField: the field or its VJP uses something the translator does
+            not handle (naming the JAX primitive).
+    """
+    d = y0.shape[-1]
+    bits = 64 if np.dtype(y0.dtype) == np.float64 else 32
+    return (_kernels.header(d, bits) + "\n"
+            + _translate.translate(f_jax, params, y0, stiff=False) + "\n\n"
+            + _translate.translate_vjp(f_jax, params, y0)
+            + _steps.vjp_for_method(method)
+            + "\n\n" + FORWARD.header("forward") + _FORWARD_BODY
+            + "\n\n" + BACKWARD.header("backward") + _BACKWARD_BODY)
+
+
+@functools.cache
+def _load(text: str):
+    module = _runtime.load(text)
+    return module.forward, module.backward
+
+
+def program(prob, method_name: str) -> Program:
+    """The compiled kernels for `prob`'s field, shapes and parameter layout."""
+    text = source(prob.f_jax, prob.params, prob.y0, methods.get(method_name))
+    fwd, bwd = _load(text)
+    return Program(fwd, bwd, tuple(sh for _, sh in _translate._flat(prob.params)))
+
+
+class Forward(NamedTuple):
+    ys: np.ndarray       # (n, d), or (n, J, d) with ts; masked rows are zeros
+    states: np.ndarray   # (n, S + 1, d)
+    tgrid: np.ndarray    # (n, S + 1)
+    base: np.ndarray     # (n, max(J, 1)) int32
+
+
+def forward(prog: Program, h, n_steps, ok, t0, y0, leaves, ts) -> Forward:
+    """The states over the mesh `h` (rows of failed trajectories, `ok` False, must
+    come with zero steps) and the outputs."""
+    dtype = np.dtype(y0.dtype)
+    n, d = y0.shape
+    width = h.shape[1]
+    n_ts = 0 if ts is None else len(ts)
+    P, S = _translate.pack_leaves(leaves, prog.shared, n)
+    out = _launch.run(
+        prog.forward, FORWARD,
+        dict(y0=y0, p=P, s=S, h=h, n_steps=n_steps, ts=np.zeros(1) if ts is None else ts,
+             n_ts=n_ts, t0=float(t0), width=width),
+        n=n, dtype=dtype, lanes=1, budget=MEMORY_BUDGET,
+        sizes=dict(d=d, points=width + 1, n_ts=max(n_ts, 1)))
+    ys = out.states[:, width] if ts is None else out.ys_out
+    ok = np.asarray(ok, bool).reshape((n,) + (1,) * (ys.ndim - 1))
+    return Forward(np.where(ok, ys, 0).astype(dtype), out.states, out.tgrid, out.base)
+
+
+def backward(prog: Program, run: Forward, h, ok, ct, leaves, ts):
+    """`(g_y0, g_leaves)`: the gradients of `sum(ct * ys)` with respect to `y0` and
+    each parameter leaf (in `_translate._flat` order); failed trajectories give exact
+    zeros."""
+    dtype = np.dtype(run.states.dtype)
+    n, points, d = run.states.shape
+    n_ts = 0 if ts is None else len(ts)
+    ok = np.asarray(ok, bool)
+    ct = np.where(ok.reshape((n,) + (1,) * (ct.ndim - 1)), ct, 0)
+    P, S = _translate.pack_leaves(leaves, prog.shared, n)
+    out = _launch.run(
+        prog.backward, BACKWARD,
+        dict(states=run.states, tgrid=run.tgrid, h=h, base=run.base,
+             ct=ct.reshape(n, -1, d), p=P, s=S, ts=np.zeros(1) if ts is None else ts,
+             n_ts=n_ts, width=points - 1),
+        n=n, dtype=dtype, lanes=1, budget=MEMORY_BUDGET,
+        sizes=dict(d=d, columns=P.shape[1], k=S.shape[0]))
+    keep = ok[:, None]
+    g_y0 = np.where(keep, out.g_y0, 0)
+    gp = np.where(keep, out.gp, 0)
+    gs = np.where(keep, out.gs, 0).sum(axis=0)  # in trajectory order: reproducible
+    return g_y0, _translate.unpack_leaves(gp, gs, leaves, prog.shared)
