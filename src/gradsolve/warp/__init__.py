@@ -11,6 +11,7 @@ control, methods, mesh, problem, status, config, fields._systems):
 - `_kernels`: kernel skeletons (lanes, header) around those step bodies.
 - `_launch`: one launch driver over kernel signatures described as data.
 - `_fused`: the fused solve and recorder (`run_fused`).
+- `_adjoint`: the in-kernel adjoint's forward-over-a-mesh and backward kernels.
 
 Nothing here imports the router, the engines or the user-facing entry points; nothing
 in `gradsolve.fields` imports this package. docs/internals.md has the details.

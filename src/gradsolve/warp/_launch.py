@@ -165,20 +165,34 @@ def run(kernel, signature: Signature, values: dict, *, n: int, dtype, lanes: int
     # Per launch: accumulators in slice order, summed at the end in that order.
     partial = {p.name: {} for p in signature.params if p.role == "accumulator"}
 
+    # On the CPU, Warp arrays wrap the host memory (no copies in or out): inputs are
+    # views of contiguous row ranges, outputs write straight into their NumPy rows.
+    on_cpu = dev == "cpu"
+    contiguous = len(rows) == 0 or bool(np.all(np.diff(rows) == 1))
+    start_row = int(rows[0]) if len(rows) else 0
+
+    def wrap(array, param):
+        if on_cpu:
+            array = np.ascontiguousarray(array)
+        return wp.array(array, dtype=element[param.dtype], device=dev, copy=not on_cpu)
+
     def launch(a, b):
         """One launch over rows[a:b], written into `outs` (and `partial`)."""
-        sel = rows[a:b]
-        m = len(sel)
+        m = b - a
+        rows_in = (slice(start_row + a, start_row + b) if contiguous else rows[a:b])
         args, results = [], {}
         for p in signature.params:
             if p.role == "per_trajectory":
-                args.append(wp.array(host[p.name][sel], dtype=element[p.dtype], device=dev))
+                args.append(wrap(host[p.name][rows_in], p))
             elif p.role == "shared":
                 args.append(on_device[p.name])
             elif p.role == "scalar":
                 args.append(T(values[p.name]) if p.dtype == FLOAT else int(values[p.name]))
             elif p.role == "count":
                 args.append(m)
+            elif p.role == "output" and on_cpu:
+                results[p.name] = None
+                args.append(wrap(outs[p.name][a:b], p))
             else:
                 shape = _shape(p, sizes)
                 results[p.name] = wp.zeros((m, *shape) if p.role == "output" else shape,
@@ -187,6 +201,8 @@ def run(kernel, signature: Signature, values: dict, *, n: int, dtype, lanes: int
         wp.launch(kernel, dim=-(-m // lanes), inputs=args, device=dev)
         wp.synchronize_device(dev)
         for name, array in results.items():
+            if array is None:
+                continue  # written in place
             if name in outs:
                 outs[name][a:b] = array.numpy()
             else:
