@@ -44,7 +44,7 @@ def test_fused_false_keeps_every_request_off_warp():
     off = "fused=False keeps the request off the Warp engines"
     vg = gs.value_and_grad(prob, loss, fused=False)
     assert vg.engine == "general_replay" and vg.mesh.recorder == "general"
-    assert dict(vg.passed_over) == {"fused_replay": off}
+    assert dict(vg.passed_over) == {"kernel_adjoint": off, "fused_replay": off}
     sol = gs.solve(prob, fused=False)
     assert sol.engine == "diffrax" and dict(sol.passed_over) == {"fused": off}
     # the same answer either way (the fused and general recorders agree to 1e-10 on

@@ -185,3 +185,39 @@ def test_forward_mode_and_stiff_methods_are_refused_with_the_reason():
         gs.value_and_grad(prob, _loss, engine="kernel_adjoint", mode="forward")
     with pytest.raises(ValueError, match="runs \\('tsit5',\\)"):
         gs.value_and_grad(gs.problems.robertson(n=2), _loss, engine="kernel_adjoint")
+
+
+def test_router_policy_and_problem_check(monkeypatch):
+    # From kernel_adjoint.MIN_N trajectories on the CPU the router prefers the
+    # in-kernel adjoint; below it, it keeps the JAX replay and says why. A field whose
+    # VJP does not translate (here the VJP translator made to refuse, as for a
+    # primitive without a rule) is passed over with the reason; named, it raises.
+    from gradsolve.engines import kernel_adjoint
+    from gradsolve.warp import _translate
+    limit = kernel_adjoint.MIN_N["cpu"]
+    big = gs.problems.lorenz(n=limit, t_span=(0.0, 0.05))
+    assert gs.value_and_grad(big, _loss).engine == "kernel_adjoint"
+    small = gs.value_and_grad(gs.problems.lorenz(n=4), _loss)
+    assert small.engine == "fused_replay"
+    assert f"n = 4 < {limit}" in dict(small.passed_over)["kernel_adjoint"]
+
+    def refuse(*args, **kwargs):
+        raise _translate.UntranslatableField("the JAX primitive 'sign' has no Warp translation")
+    monkeypatch.setattr(_translate, "translate_vjp", refuse)
+    field = lambda t, y, p: -p["k"] * y  # a new function: nothing cached
+    prob = gs.EnsembleProblem(field, jnp.ones((limit, 1)), {"k": jnp.ones(limit)},
+                              (0.0, 0.1), fused=True)
+    vg = gs.value_and_grad(prob, _loss)
+    assert vg.engine == "fused_replay"
+    assert dict(vg.passed_over)["kernel_adjoint"] == (
+        "the field's VJP has no Warp form: the JAX primitive 'sign' has no Warp translation")
+    with pytest.raises(ValueError, match="'kernel_adjoint' cannot serve this problem.*'sign'"):
+        gs.value_and_grad(prob, _loss, engine="kernel_adjoint")
+
+
+def test_router_keeps_mlp_fields_on_the_jax_replay_on_the_cpu(neural):
+    many = neural.replace(y0=jnp.tile(neural.y0, (128, 1)),
+                          params={"net": neural.params["net"], "k": jnp.tile(neural.params["k"], 128)})
+    vg = gs.value_and_grad(many, _loss, rtol=1e-3, atol=1e-6)
+    assert vg.engine == "fused_replay"
+    assert "Equinox module" in dict(vg.passed_over)["kernel_adjoint"]

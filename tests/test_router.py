@@ -10,35 +10,54 @@ from gradsolve.engines import Request
 NOT_FUSED = "f_jax has no fused form (gs.register_field translates one)"
 
 
-def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False, rtol=None):
+SMALL = "n = 0 < 1024: the JAX replay is faster below that here"
+KA_METHODS = "the in-kernel adjoint runs ('tsit5',) (Rosenbrock23's adjoint is not written yet)"
+
+
+def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False, rtol=None, n=0,
+      shared_module=False):
     return Request(gradient=gradient, stiff=stiff, d=d, method=method, fused=fused,
-                   jacobian=jacobian, rtol=rtol)
+                   jacobian=jacobian, rtol=rtol, n=n, shared_module=shared_module)
 
 
 @pytest.mark.parametrize("request_,engine,expected,method,passed", [
     # gradient, registered field with d <= 64 -> fused_replay (Tsit5 / Rosenbrock23)
-    (R(True, fused=True), None, "fused_replay", "tsit5", {}),
-    (R(True, stiff=True, fused=True, jacobian=True), None, "fused_replay", "rosenbrock23", {}),
+    (R(True, fused=True), None, "fused_replay", "tsit5", {"kernel_adjoint": SMALL}),
+    (R(True, stiff=True, fused=True, jacobian=True), None, "fused_replay", "rosenbrock23",
+     {"kernel_adjoint": f"{KA_METHODS}, not 'rodas5p'"}),
+    # ... the in-kernel adjoint from 1024 trajectories on the CPU, not for MLP fields
+    (R(True, fused=True, n=1024), None, "kernel_adjoint", "tsit5", {}),
+    (R(True, fused=True, n=1024, shared_module=True), None, "fused_replay", "tsit5",
+     {"kernel_adjoint": "an Equinox module in the field: on the CPU the JAX replay's "
+                        "batched matrix products are faster (benchmarks/kernel_adjoint.py)"}),
     # ... beyond the cutoff (8 on the cpu device), or a method the kernels do not run
-    (R(True, d=8, fused=True), None, "fused_replay", "tsit5", {}),
+    (R(True, d=8, fused=True), None, "fused_replay", "tsit5", {"kernel_adjoint": SMALL}),
     (R(True, d=9, fused=True), None, "general_replay", "tsit5",
-     {"fused_replay": "d = 9 > 8: past the fused kernels' cutoff on the cpu device"}),
+     {"kernel_adjoint": "d = 9 > 8: past the fused kernels' cutoff on the cpu device",
+      "fused_replay": "d = 9 > 8: past the fused kernels' cutoff on the cpu device"}),
     (R(True, method="vern7", fused=True), None, "general_replay", "vern7",
-     {"fused_replay": "the fused kernels run ('tsit5', 'rosenbrock23'), not 'vern7'"}),
+     {"kernel_adjoint": f"{KA_METHODS}, not 'vern7'",
+      "fused_replay": "the fused kernels run ('tsit5', 'rosenbrock23'), not 'vern7'"}),
     (R(True, stiff=True, fused=True), None, "general_replay", "rodas5p",
-     {"fused_replay": "the field has no hand-written Jacobian for the stiff fused kernel"}),
+     {"kernel_adjoint": f"{KA_METHODS}, not 'rodas5p'",
+      "fused_replay": "the field has no hand-written Jacobian for the stiff fused kernel"}),
     # ... or a tight tolerance for a stiff field: second-order Rosenbrock23 would crawl
     (R(True, stiff=True, fused=True, jacobian=True, rtol=1e-6), None, "fused_replay",
-     "rosenbrock23", {}),
+     "rosenbrock23", {"kernel_adjoint": f"{KA_METHODS}, not 'rodas5p'"}),
     (R(True, stiff=True, fused=True, jacobian=True, rtol=1e-8), None, "general_replay",
-     "rodas5p", {"fused_replay": "the fused stiff method, second-order Rosenbrock23, needs "
+     "rodas5p", {"kernel_adjoint": "the fused stiff method, second-order Rosenbrock23, needs "
+                                   "too many steps at rtol < 1e-06: the general path's "
+                                   "Rodas5P serves it",
+                 "fused_replay": "the fused stiff method, second-order Rosenbrock23, needs "
                                  "too many steps at rtol < 1e-06: the general path's "
                                  "Rodas5P serves it"}),
     (R(True, stiff=True, fused=True, jacobian=True, rtol=1e-8, method="rosenbrock23"),
-     None, "fused_replay", "rosenbrock23", {}),
+     None, "fused_replay", "rosenbrock23", {"kernel_adjoint": f"{KA_METHODS}, not 'rosenbrock23'"}),
     # gradient, any other field -> general_replay (Rodas5P when stiff)
-    (R(True), None, "general_replay", "tsit5", {"fused_replay": NOT_FUSED}),
-    (R(True, stiff=True, d=200), None, "general_replay", "rodas5p", {"fused_replay": NOT_FUSED}),
+    (R(True), None, "general_replay", "tsit5",
+     {"kernel_adjoint": NOT_FUSED, "fused_replay": NOT_FUSED}),
+    (R(True, stiff=True, d=200), None, "general_replay", "rodas5p",
+     {"kernel_adjoint": NOT_FUSED, "fused_replay": NOT_FUSED}),
     # forward only: fused, else diffrax, else general
     (R(False, fused=True), None, "fused", "tsit5", {}),
     (R(False, stiff=True, fused=True, jacobian=True), None, "fused", "rosenbrock23", {}),

@@ -88,12 +88,14 @@ def _named(engine) -> Engine:
     return engine
 
 
-def route(request: Request, engine=None) -> tuple[Engine, dict[str, str]]:
+def route(request: Request, engine=None, refused=None) -> tuple[Engine, dict[str, str]]:
     """Choose the engine for `request`.
 
     Args:
         request: a `gs.engines.Request`.
         engine: None (choose), an engine name, or an `Engine` instance.
+        refused: `{name: reason}` of engines already turned down (their `check` of the
+            problem), passed over with that reason.
 
     Returns:
         `(engine, passed_over)`, the second mapping each engine the router passed over
@@ -116,21 +118,28 @@ def route(request: Request, engine=None) -> tuple[Engine, dict[str, str]]:
         if reason is not None:
             raise ValueError(f"engine {engine.name!r} cannot serve this request: {reason}")
         return engine, {}
-    passed, first_warp = {}, None
+    passed, last_warp = {}, None
+    refused = refused or {}
     for candidate in ENGINES.values():
         if request.task not in candidate.routes:
             continue
         if request.warp and not candidate.warp:
             continue  # fused=True: only the Warp engines are candidates
-        reason = refusal(candidate, request)
+        reason = refused.get(candidate.name) or refusal(candidate, request)
         if reason is None:
-            return candidate, passed
+            policy = candidate.declines(request)
+            if policy is None:
+                return candidate, passed
+            passed[candidate.name] = policy
+            continue
         passed[candidate.name] = reason
-        if candidate.warp and first_warp is None:
-            first_warp = candidate.name
-    if request.warp and first_warp is not None:
-        raise ValueError(f"engine {first_warp!r} cannot serve this request: "
-                         f"{passed[first_warp]}")
+        if candidate.warp:
+            # The Warp engine named in the error: the last that refused, the one that
+            # asks least of a request (fused_replay: every method, any mode).
+            last_warp = candidate.name
+    if request.warp and last_warp is not None:
+        raise ValueError(f"engine {last_warp!r} cannot serve this request: "
+                         f"{passed[last_warp]}")
     raise ValueError(f"no engine can serve this request: {passed}")
 
 
@@ -146,7 +155,7 @@ def request_for(prob, *, gradient: bool, method=None, rtol=None, mode="reverse",
     """The router's view of a call: the problem's stiffness, dimension, dtype and
     parameters, whether its field has a fused form (and a Jacobian), what is asked."""
     form, why = fused_form(prob) if fused is not False else (None, None)
-    return Request(gradient=gradient, stiff=prob.stiff, d=prob.d, method=method,
+    return Request(gradient=gradient, stiff=prob.stiff, d=prob.d, n=prob.n, method=method,
                    fused=form is not None, jacobian=bool(form is not None and form.stiff),
                    rtol=rtol, fused_why=why, mode=mode, interpolate=bool(interpolate),
                    ts=bool(ts), dtype=np.dtype(prob.y0.dtype).name,
@@ -168,6 +177,14 @@ def plan(prob, *, gradient: bool, engine=None, method=None, fused=None, mode="re
     if engine is not None and fused is False and _named(engine).warp:
         raise ValueError(f"engine {_named(engine).name!r} runs on Warp, but fused=False "
                          f"keeps the request off the Warp engines")
-    chosen, passed = route(request, engine)
-    method = chosen.default_method(request) if method is None else method
-    return chosen, passed, make_config(prob, method=method, **settings)
+    refused = {}
+    while True:
+        chosen, passed = route(request, engine, refused)
+        chosen_method = chosen.default_method(request) if method is None else method
+        why = chosen.check(prob, chosen_method)
+        if why is None:
+            break
+        if engine is not None:
+            raise ValueError(f"engine {chosen.name!r} cannot serve this problem: {why}")
+        refused[chosen.name] = why
+    return chosen, passed, make_config(prob, method=chosen_method, **settings)

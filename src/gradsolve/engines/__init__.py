@@ -2,9 +2,9 @@
 and one line in `ENGINES` below. The router (router.py) picks one per call.
 
 - `fused`: a Warp kernel, one thread per trajectory, forward only (fused fields).
-- `fused_replay`: the fused (Warp) recorder, then the padded JAX replay.
 - `kernel_adjoint`: the fused recorder, then a Warp forward over its mesh and a Warp
-  backward (the in-kernel adjoint); by name.
+  backward (the in-kernel adjoint); the router's choice from `MIN_N` trajectories.
+- `fused_replay`: the fused (Warp) recorder, then the padded JAX replay.
 - `diffrax`: Diffrax under `vmap`; forward solves, and gradients as the baseline.
 - `general_replay`: the batched JAX recorder, then the padded JAX replay.
 - `general`: the batched JAX adaptive solve, forward only.
@@ -32,8 +32,8 @@ from .kernel_adjoint import KernelAdjoint as KernelAdjoint
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (
     Fused(),
-    FusedReplay(),
     KernelAdjoint(),
+    FusedReplay(),
     Diffrax(),
     GeneralReplay(),
     General(),
@@ -80,7 +80,8 @@ def unregister(name: str) -> Engine:
 def with_recorder(recorder: str) -> Engine:
     """The first registered engine that differentiates meshes of `recorder`."""
     for engine in ENGINES.values():
-        if recorder_of(engine) == recorder and engine.serves("gradient"):
+        if recorder_of(engine) == recorder and engine.serves("gradient") \
+                and engine.named_by_recorder:
             return engine
     known = ["None"] + [repr(r) for r in sorted(
         {r for r in map(recorder_of, ENGINES.values()) if r}, reverse=True)]

@@ -9,8 +9,16 @@ capabilities, each a mixin with one abstract method:
 - `Differentiates.ys_function(prob, cfg, mode)`: a pure function to differentiate.
 
 A forward-only engine implements `Solves` alone; the router never asks it for a
-gradient. `supports` returns the engine's own refusals (Diffrax not installed, ...);
-the rules common to all engines (task, method, continuous extension) and to all Warp
+gradient. Three hooks say what else stops an engine, each returning a reason or None:
+
+- `supports(request)`: what it cannot serve, read from the request (Diffrax not
+  installed, forward mode, ...);
+- `check(prob, method)`: what it cannot serve that only the problem itself shows (a
+  field whose derivative does not translate), asked of the engine the router chose;
+- `declines(request)`: where it could serve but is not the router's choice unasked (a
+  measured speed policy); named with `engine=`, it runs all the same.
+
+The rules common to all engines (task, method, continuous extension) and to all Warp
 engines (fused form, d cutoff) are the router's, in router.py.
 """
 
@@ -34,6 +42,7 @@ class Request:
     Attributes:
         gradient: a gradient (or a mesh for one) is wanted, not only a solve.
         stiff, d: the problem's stiffness flag and state dimension.
+        n: the number of trajectories (0: not given).
         method: the method asked for, or None (each engine's default: `methods.default_for`).
         fused: the field has a fused (Warp) form; `fused_why` says why not.
         jacobian: that form carries a Jacobian (for the stiff fused kernel).
@@ -50,6 +59,7 @@ class Request:
     gradient: bool
     stiff: bool
     d: int
+    n: int = 0
     method: str | None = None
     fused: bool = False
     jacobian: bool = False
@@ -110,6 +120,17 @@ class Engine(eqx.Module):
         the fused form itself)."""
         return None
 
+    def check(self, prob, method: str) -> str | None:
+        """`None` if this engine can run `prob` with `method`, else the reason: the
+        refusals only the problem shows (the router asks the engine it chose, and
+        moves on to the next if it refuses)."""
+        return None
+
+    def declines(self, request: Request) -> str | None:
+        """Why the router does not choose this engine for `request` when none is
+        named, although it could serve it (a measured policy), or None."""
+        return None
+
 
 class Solves(eqx.Module):
     @abc.abstractmethod
@@ -119,6 +140,9 @@ class Solves(eqx.Module):
 
 class Records(eqx.Module):
     recorder: ClassVar[str]  # the name its meshes carry (`Mesh.recorder`)
+    # `recorder="<name>"` (gs.record, gs.Calibrator) picks the first registered engine
+    # of that recorder with this set: the one with the JAX replay and every method.
+    named_by_recorder: ClassVar[bool] = True
 
     @abc.abstractmethod
     def record(self, prob, cfg, params=None, y0=None):

@@ -21,8 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..status import Status
-from ..warp import _adjoint, _translate
+from ..warp import _adjoint, _runtime, _translate
 from .fused_replay import FusedReplay
+
+
+# The ensemble size from which the router prefers the in-kernel adjoint to the JAX
+# replay of the same mesh, per Warp device (None: by name only). Measured on the
+# 2-core CPU (benchmarks/kernel_adjoint.py, Lorenz): slower than fused_replay at
+# n = 128 (fixed per-call costs of two launches and two callbacks), 2-3x faster from
+# n = 1024. Not measured on a GPU yet.
+MIN_N = {"cpu": 1024, "cuda": None}
 
 
 def adjoint_function(prob, cfg):
@@ -100,8 +108,9 @@ class KernelAdjoint(FusedReplay):
     backward; reverse mode, Tsit5."""
 
     name: ClassVar[str] = "kernel_adjoint"
-    routes: ClassVar[tuple[str, ...]] = ()
+    routes: ClassVar[tuple[str, ...]] = ("gradient",)
     methods: ClassVar[tuple[str, ...]] = ("tsit5",)
+    named_by_recorder: ClassVar[bool] = False  # recorder="fused" means fused_replay
 
     def method_refusal(self, method):
         return (f"the in-kernel adjoint runs {self.methods} (Rosenbrock23's adjoint is not "
@@ -110,6 +119,21 @@ class KernelAdjoint(FusedReplay):
     def supports(self, request):
         if request.gradient and request.mode != "reverse":
             return "reverse mode only (mode='forward': fused_replay or general_replay)"
+        return None
+
+    def check(self, prob, method):
+        return _adjoint.why_not(prob, method)
+
+    def declines(self, request):
+        device = _runtime.device()
+        limit = MIN_N[device]
+        if limit is None:
+            return f"chosen by name only on the {device} device (not yet measured faster)"
+        if request.shared_module and device == "cpu":
+            return ("an Equinox module in the field: on the CPU the JAX replay's batched "
+                    "matrix products are faster (benchmarks/kernel_adjoint.py)")
+        if request.n < limit:
+            return f"n = {request.n} < {limit}: the JAX replay is faster below that here"
         return None
 
     def ys_function(self, prob, cfg, mode):

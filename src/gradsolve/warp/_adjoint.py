@@ -151,9 +151,45 @@ def _load(text: str):
     return module.forward, module.backward
 
 
+# Generated sources per (f_jax, d, dtype, parameter layout, method): (text, why not).
+_SOURCES: dict = {}
+
+
+def _source(prob, method_name):
+    key = (prob.f_jax, prob.d, np.dtype(prob.y0.dtype).name, _translate.layout(prob.params),
+           method_name)
+    try:
+        hash(key)
+    except TypeError:
+        key = None
+    if key is None or key not in _SOURCES:
+        try:
+            entry = (source(prob.f_jax, prob.params, prob.y0, methods.get(method_name)), None)
+        except _translate.UntranslatableField as err:
+            entry = (None, f"the field's VJP has no Warp form: {err}")
+        except ValueError as err:  # a method the adjoint does not run
+            entry = (None, str(err))
+        if key is None:
+            return entry
+        _SOURCES[key] = entry
+    return _SOURCES[key]
+
+
+def why_not(prob, method_name: str) -> str | None:
+    """Why the in-kernel adjoint cannot run `prob` with `method_name` (its field or
+    the field's VJP does not translate), or None."""
+    return _source(prob, method_name)[1]
+
+
 def program(prob, method_name: str) -> Program:
-    """The compiled kernels for `prob`'s field, shapes and parameter layout."""
-    text = source(prob.f_jax, prob.params, prob.y0, methods.get(method_name))
+    """The compiled kernels for `prob`'s field, shapes and parameter layout.
+
+    Raises:
+        UntranslatableField: see `why_not`.
+    """
+    text, why = _source(prob, method_name)
+    if text is None:
+        raise _translate.UntranslatableField(why)
     fwd, bwd = _load(text)
     return Program(fwd, bwd, tuple(sh for _, sh in _translate._flat(prob.params)))
 

@@ -1,0 +1,141 @@
+"""The in-kernel adjoint (`engine="kernel_adjoint"`) against the JAX replay and Diffrax.
+
+Lorenz (`gs.problems.lorenz(n)`, Tsit5, rtol 1e-6, atol 1e-9, float64, loss
+`sum(ys ** 2)` of the final states, gradient w.r.t. every trajectory's parameters):
+warm medians of the kernel_adjoint gradient, the fused_replay and general_replay
+gradients (the JAX replay of each recorder's mesh), Diffrax's checkpointed adjoint (the
+faster of its default checkpoints and one per step, max_steps 256), the fused forward
+solve of the same ensemble, and the fused record (timed apart; also reported
+included). Neural: a 2-D neural ODE `y' = MLP(y)` (width 64, depth 2, tanh, in
+`gs.Shared`; rtol 1e-3, atol 1e-6 as Diffrax's neural ODE example), time per gradient of
+a batch of B trajectories on t in [0, 2], kernel_adjoint against fused_replay and
+Diffrax (Tsit5, checkpointed).
+
+    .venv/bin/python benchmarks/kernel_adjoint.py [--quick] [--sizes 8,128]
+"""
+
+from _harness import cli, fmt, log, md_table, run, target, warm
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402  (after _harness, which turns float64 on)
+import jax.numpy as jnp  # noqa: E402
+
+import gradsolve as gs  # noqa: E402
+
+RTOL, ATOL, MAX_STEPS = 1e-6, 1e-9, 256
+
+
+def loss(ys, params):
+    return jnp.sum(ys ** 2)
+
+
+def _grad_time(prob, repeats, **kw):
+    vg = gs.value_and_grad(prob, loss, **kw)
+    return warm(vg, repeats)["median_s"], vg
+
+
+def _diffrax(prob, repeats, **kw):
+    settings = {"default": gs.engines.Diffrax(),
+                f"checkpoints={MAX_STEPS}": gs.engines.Diffrax(checkpoints=MAX_STEPS)}
+    times = {k: _grad_time(prob, repeats, engine=e, max_steps=MAX_STEPS, **kw)[0]
+             for k, e in settings.items()}
+    best = min(times, key=times.get)
+    return times[best], best
+
+
+def lorenz(args):
+    sizes = args.sizes or ([8, 128] if args.quick else [8, 128, 1024, 8192])
+    rows = []
+    for n in sizes:
+        prob = gs.problems.lorenz(n=n)
+        reps = args.repeats or (3 if args.quick or n > 1024 else 7)
+        kw = dict(rtol=RTOL, atol=ATOL)
+        ka, vg = _grad_time(prob, reps, engine="kernel_adjoint", **kw)
+        row = {"n": n, "repeats": reps, "S": vg.mesh.columns, "kernel_adjoint": ka,
+               "fused_replay": _grad_time(prob, reps, engine="fused_replay", mesh=vg.mesh, **kw)[0],
+               "general_replay": _grad_time(prob, reps, engine="general_replay", **kw)[0],
+               "record": warm(lambda: gs.record(prob, recorder="fused", **kw).h, reps)["median_s"],
+               "fused_solve": warm(lambda: gs.solve(prob, engine="fused", **kw).ys, reps)["median_s"]}
+        row["diffrax"], row["diffrax_setting"] = _diffrax(prob, reps, **kw)
+        log(f"  n={n}: kernel_adjoint {ka * 1e3:.2f} ms, Diffrax x{row['diffrax'] / ka:.2f}, "
+            f"fused_replay x{row['fused_replay'] / ka:.2f}, / fused solve "
+            f"{ka / row['fused_solve']:.2f}")
+        rows.append(row)
+    return {"rtol": RTOL, "atol": ATOL, "max_steps": MAX_STEPS, "sizes": rows}
+
+
+def _spiral(B, width, depth, key):
+    """A 2-D neural ODE, as Diffrax's neural ODE example: y' = MLP(y), Shared."""
+    net = eqx.nn.MLP(2, 2, width, depth, activation=jnp.tanh, key=key)
+    y0 = jax.random.uniform(jax.random.key(1), (B, 2), minval=-0.6, maxval=1.0)
+    return gs.EnsembleProblem(lambda t, y, p: p["net"](y), y0, {"net": gs.Shared(net)},
+                              (0.0, 2.0), fused=True, name="spiral")
+
+
+def neural(args):
+    batches = [32] if args.quick else [32, 256]
+    rows = []
+    for B in batches:
+        prob = _spiral(B, 64, 2, jax.random.key(0))
+        reps = args.repeats or 5
+        kw = dict(rtol=1e-3, atol=1e-6)
+        ka, vg = _grad_time(prob, reps, engine="kernel_adjoint", **kw)
+        row = {"B": B, "repeats": reps, "S": vg.mesh.columns, "kernel_adjoint": ka,
+               "fused_replay": _grad_time(prob, reps, engine="fused_replay", mesh=vg.mesh, **kw)[0]}
+        row["diffrax"], row["diffrax_setting"] = _diffrax(prob, reps, **kw)
+        log(f"  B={B}: kernel_adjoint {ka * 1e3:.2f} ms, Diffrax x{row['diffrax'] / ka:.2f}, "
+            f"fused_replay x{row['fused_replay'] / ka:.2f}")
+        rows.append(row)
+    return {"width": 64, "depth": 2, "rtol": 1e-3, "atol": 1e-6, "batches": rows}
+
+
+def render(sections):
+    out = {}
+    if "lorenz" in sections:
+        rows = [[r["n"], r["S"], f"{r['kernel_adjoint']:.4f}", f"{r['fused_replay']:.4f}",
+                 f"{r['general_replay']:.4f}", f"{r['diffrax']:.4f} ({r['diffrax_setting']})",
+                 f"{r['fused_solve']:.4f}", f"{r['record']:.4f}",
+                 fmt(r["diffrax"] / r["kernel_adjoint"]),
+                 fmt(r["diffrax"] / (r["kernel_adjoint"] + r["record"])),
+                 fmt(r["fused_replay"] / r["kernel_adjoint"]),
+                 fmt(r["general_replay"] / r["kernel_adjoint"]),
+                 fmt(r["kernel_adjoint"] / r["fused_solve"])]
+                for r in sections["lorenz"]["sizes"]]
+        out["lorenz"] = md_table(
+            ["n", "S", "kernel_adjoint s", "fused_replay s", "general_replay s",
+             "Diffrax ckpt s (setting)", "fused solve s", "record s", "Diffrax / ka",
+             "Diffrax / (ka + record)", "fused_replay / ka", "general_replay / ka",
+             "ka / fused solve"], rows)
+    if "neural" in sections:
+        rows = [[r["B"], r["S"], f"{r['kernel_adjoint']:.4f}", f"{r['fused_replay']:.4f}",
+                 f"{r['diffrax']:.4f} ({r['diffrax_setting']})",
+                 fmt(r["diffrax"] / r["kernel_adjoint"]),
+                 fmt(r["fused_replay"] / r["kernel_adjoint"])]
+                for r in sections["neural"]["batches"]]
+        out["neural"] = md_table(["B", "S", "kernel_adjoint s", "fused_replay s",
+                                  "Diffrax ckpt s (setting)", "Diffrax / ka",
+                                  "fused_replay / ka"], rows)
+    return out
+
+
+def targets(sections):
+    out = []
+    if "lorenz" in sections:
+        rows = sections["lorenz"]["sizes"]
+        out += [target("Lorenz gradient, kernel_adjoint vs Diffrax checkpointed, n >= 128",
+                       ">=", 10, {f"n={r['n']}": r["diffrax"] / r["kernel_adjoint"]
+                                  for r in rows if r["n"] >= 128}),
+                target("Lorenz, kernel_adjoint gradient / fused forward solve", "<=", 3,
+                       {f"n={r['n']}": r["kernel_adjoint"] / r["fused_solve"] for r in rows})]
+    if "neural" in sections:
+        out.append(target("Neural ODE (width 64, depth 2), kernel_adjoint gradient vs Diffrax",
+                          ">=", 3, {f"B={r['B']}": r["diffrax"] / r["kernel_adjoint"]
+                                    for r in sections["neural"]["batches"]}))
+    return out
+
+
+SECTIONS = {"lorenz": lorenz, "neural": neural}
+
+if __name__ == "__main__":
+    args = cli(__doc__, SECTIONS)
+    run("kernel_adjoint", SECTIONS, render, targets, args)
