@@ -9,13 +9,15 @@ solve of the same ensemble, and the fused record (timed apart; also reported
 included). Neural: a 2-D neural ODE `y' = MLP(y)` (width 64, depth 2, tanh, in
 `gs.Shared`; rtol 1e-3, atol 1e-6 as Diffrax's neural ODE example), time per gradient of
 a batch of B trajectories on t in [0, 2], kernel_adjoint against fused_replay and
-Diffrax (Tsit5, checkpointed).
+Diffrax (Tsit5, checkpointed). Stiff: Rosenbrock23 on Robertson and HIRES (rtol 1e-5),
+against the JAX replay of the same mesh and Diffrax's Kvaerno5.
 
     .venv/bin/python benchmarks/kernel_adjoint.py [--quick] [--sizes 8,128]
 """
 
 from _harness import cli, fmt, log, md_table, run, target, warm
 
+import diffrax  # noqa: E402
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402  (after _harness, which turns float64 on)
 import jax.numpy as jnp  # noqa: E402
@@ -64,6 +66,30 @@ def lorenz(args):
     return {"rtol": RTOL, "atol": ATOL, "max_steps": MAX_STEPS, "sizes": rows}
 
 
+def stiff(args):
+    """Rosenbrock23 on Robertson and HIRES: kernel_adjoint against the JAX replay of the
+    same mesh and Diffrax's Kvaerno5 at the same tolerances (not matched accuracy:
+    stiff_and_high_order.py has that comparison for the JAX replay)."""
+    sizes = args.sizes or ([8, 128] if args.quick else [8, 128, 1024])
+    rows = []
+    for name in ("robertson", "hires"):
+        for n in sizes:
+            prob = getattr(gs.problems, name)(n=n)
+            reps = args.repeats or 3
+            kw = dict(rtol=1e-5, atol=1e-9)
+            ka, vg = _grad_time(prob, reps, engine="kernel_adjoint", method="rosenbrock23", **kw)
+            row = {"field": name, "n": n, "repeats": reps, "S": vg.mesh.columns,
+                   "kernel_adjoint": ka,
+                   "fused_replay": _grad_time(prob, reps, engine="fused_replay",
+                                              mesh=vg.mesh, **kw)[0]}
+            kv = gs.engines.Diffrax(solver=diffrax.Kvaerno5(), checkpoints=4096)
+            row["diffrax"] = _grad_time(prob, reps, engine=kv, max_steps=4096, **kw)[0]
+            log(f"  {name} n={n}: kernel_adjoint {ka * 1e3:.2f} ms, fused_replay "
+                f"x{row['fused_replay'] / ka:.2f}, Diffrax Kvaerno5 x{row['diffrax'] / ka:.2f}")
+            rows.append(row)
+    return {"method": "rosenbrock23", "rtol": 1e-5, "atol": 1e-9, "rows": rows}
+
+
 def _spiral(B, width, depth, key):
     """A 2-D neural ODE, as Diffrax's neural ODE example: y' = MLP(y), Shared."""
     net = eqx.nn.MLP(2, 2, width, depth, activation=jnp.tanh, key=key)
@@ -106,6 +132,14 @@ def render(sections):
              "Diffrax ckpt s (setting)", "fused solve s", "record s", "Diffrax / ka",
              "Diffrax / (ka + record)", "fused_replay / ka", "general_replay / ka",
              "ka / fused solve"], rows)
+    if "stiff" in sections:
+        rows = [[r["field"], r["n"], r["S"], f"{r['kernel_adjoint']:.4f}",
+                 f"{r['fused_replay']:.4f}", f"{r['diffrax']:.4f}",
+                 fmt(r["fused_replay"] / r["kernel_adjoint"]),
+                 fmt(r["diffrax"] / r["kernel_adjoint"])] for r in sections["stiff"]["rows"]]
+        out["stiff"] = md_table(["field", "n", "S", "kernel_adjoint s", "fused_replay s",
+                                 "Diffrax Kvaerno5 s", "fused_replay / ka", "Diffrax / ka"],
+                                rows)
     if "neural" in sections:
         rows = [[r["B"], r["S"], f"{r['kernel_adjoint']:.4f}", f"{r['fused_replay']:.4f}",
                  f"{r['diffrax']:.4f} ({r['diffrax_setting']})",
@@ -134,7 +168,7 @@ def targets(sections):
     return out
 
 
-SECTIONS = {"lorenz": lorenz, "neural": neural}
+SECTIONS = {"lorenz": lorenz, "stiff": stiff, "neural": neural}
 
 if __name__ == "__main__":
     args = cli(__doc__, SECTIONS)

@@ -78,10 +78,11 @@ def test_fused_recorder_records_the_general_mesh(name, kw, rtol, atol):
 def test_fused_replay_gradient_equals_general_replay(name, kw, rtol, atol):
     prob = _problem(name, kw)
     loss = lambda ys, p: jnp.sum(ys ** 2)
-    fused = gs.value_and_grad(prob, loss, wrt="both", rtol=rtol, atol=atol)
+    fused = gs.value_and_grad(prob, loss, wrt="both", rtol=rtol, atol=atol,
+                              engine="fused_replay")
     general = gs.value_and_grad(prob, loss, wrt="both", rtol=rtol, atol=atol,
                                 engine="general_replay", method=fused.mesh.method)
-    assert fused.engine == "fused_replay"
+    assert fused.mesh.recorder == "fused"
     (v_f, g_f), (v_g, g_g) = fused(), general()
     assert rel_err(v_f, v_g) < 1e-10
     assert tree_rel_err(g_f, g_g) < 1e-10

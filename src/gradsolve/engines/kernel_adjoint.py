@@ -8,8 +8,9 @@ works inside `jit` and under `jax.grad` like the JAX replay -- the same conventi
 (the exact derivative of the replay on the recorded mesh, step sizes held fixed) and
 the same masking rule (a failed trajectory gives zero outputs and zero gradients).
 
-Reverse mode only; Tsit5 (Rosenbrock23's adjoint, with its transposed solve, is not
-written yet). The field and its VJP are translated from the JAX right-hand side
+Reverse mode only; Tsit5 and Rosenbrock23 (its adjoint goes through W's inverse
+transposed and the Jacobian's own VJP). The field and its VJP are translated from the
+JAX right-hand side
 (`warp/_translate.py`), so any field with a fused form that the translator accepts
 runs here, Equinox MLPs in `gs.Shared` included.
 """
@@ -26,11 +27,13 @@ from .fused_replay import FusedReplay
 
 
 # The ensemble size from which the router prefers the in-kernel adjoint to the JAX
-# replay of the same mesh, per Warp device (None: by name only). Measured on the
-# 2-core CPU (benchmarks/kernel_adjoint.py, Lorenz): slower than fused_replay at
-# n = 128 (fixed per-call costs of two launches and two callbacks), 2-3x faster from
-# n = 1024. Not measured on a GPU yet.
-MIN_N = {"cpu": 1024, "cuda": None}
+# replay of the same mesh, per Warp device and method (None: by name only). Measured
+# on the 2-core CPU (benchmarks/kernel_adjoint.py): Tsit5 on Lorenz is slower than
+# fused_replay at n = 128 (the fixed costs of two launches and two callbacks) and 2-3x
+# faster from n = 1024; Rosenbrock23 is faster at every size measured (Robertson and
+# HIRES, n = 8 to 1024: 1.6-9.5x), the JAX replay's batched LU solves being the slow
+# part there. Not measured on a GPU yet.
+MIN_N = {"cpu": {"tsit5": 1024, "rosenbrock23": 0}, "cuda": None}
 
 
 def adjoint_function(prob, cfg):
@@ -105,16 +108,15 @@ def adjoint_function(prob, cfg):
 
 class KernelAdjoint(FusedReplay):
     """The fused Warp recorder, then the Warp forward over its mesh and the Warp
-    backward; reverse mode, Tsit5."""
+    backward; reverse mode, Tsit5 and Rosenbrock23."""
 
     name: ClassVar[str] = "kernel_adjoint"
     routes: ClassVar[tuple[str, ...]] = ("gradient",)
-    methods: ClassVar[tuple[str, ...]] = ("tsit5",)
+    methods: ClassVar[tuple[str, ...]] = ("tsit5", "rosenbrock23")
     named_by_recorder: ClassVar[bool] = False  # recorder="fused" means fused_replay
 
     def method_refusal(self, method):
-        return (f"the in-kernel adjoint runs {self.methods} (Rosenbrock23's adjoint is not "
-                f"written yet), not {method!r}")
+        return f"the in-kernel adjoint runs {self.methods}, not {method!r}"
 
     def supports(self, request):
         if request.gradient and request.mode != "reverse":
@@ -132,8 +134,10 @@ class KernelAdjoint(FusedReplay):
         if request.shared_module and device == "cpu":
             return ("an Equinox module in the field: on the CPU the JAX replay's batched "
                     "matrix products are faster (benchmarks/kernel_adjoint.py)")
-        if request.n < limit:
-            return f"n = {request.n} < {limit}: the JAX replay is faster below that here"
+        method = request.method or self.default_method(request)
+        if request.n < limit.get(method, 0):
+            return (f"n = {request.n} < {limit[method]}: the JAX replay is faster below that "
+                    f"here ({method})")
         return None
 
     def ys_function(self, prob, cfg, mode):

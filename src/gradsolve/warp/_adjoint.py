@@ -137,9 +137,11 @@ def source(f_jax, params, y0, method) -> str:
     """
     d = y0.shape[-1]
     bits = 64 if np.dtype(y0.dtype) == np.float64 else 32
+    stiff = method.implicit  # Rosenbrock23: the Jacobian and its VJP too
     return (_kernels.header(d, bits) + "\n"
-            + _translate.translate(f_jax, params, y0, stiff=False) + "\n\n"
-            + _translate.translate_vjp(f_jax, params, y0)
+            + _translate.translate(f_jax, params, y0, stiff=stiff) + "\n\n"
+            + _translate.translate_vjp(f_jax, params, y0) + "\n\n"
+            + (_translate.translate_vjp(f_jax, params, y0, of="jac") if stiff else "")
             + _steps.vjp_for_method(method)
             + "\n\n" + FORWARD.header("forward") + _FORWARD_BODY
             + "\n\n" + BACKWARD.header("backward") + _BACKWARD_BODY)

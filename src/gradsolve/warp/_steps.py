@@ -225,12 +225,54 @@ def _erk_step_vjp(tab) -> str:
     return "\n".join(lines) + "\n"
 
 
+_ROSENBROCK23_STEP_VJP = '''
+
+@wp.func
+def step_vjp(t: T, y: V, h: T, lam: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T),
+             i: int, gp: wp.array2d(dtype=T), gs: wp.array2d(dtype=T)) -> V:
+    if h == T(0.0):
+        return lam
+    f0 = field(t, y, p, s, i)
+    Wi = w_inverse(t, y, h, p, s, i)
+    WiT = wp.transpose(Wi)
+    k1 = Wi * f0
+    y1 = y + (T(0.5) * h) * k1
+    f1 = field(t + T(0.5) * h, y1, p, s, i)
+    u = f1 - k1
+    ak2 = h * lam
+    au = WiT * ak2
+    ay1 = field_vjp(t + T(0.5) * h, y1, au, p, s, i, gp, gs)
+    ak1 = ak2 - au + (T(0.5) * h) * ay1
+    af0 = WiT * ak1
+    aJ = (h * {gamma}) * (WiT * (wp.outer(ak2, u) + wp.outer(ak1, f0)) * WiT)
+    a0 = field_vjp(t, y, af0, p, s, i, gp, gs)
+    return lam + ay1 + a0 + jac_vjp(t, y, aJ, p, s, i, gp, gs)
+'''
+
+
+def _rosenbrock23_step_vjp(method: Rosenbrock23) -> str:
+    """`step_vjp` of Rosenbrock23's plain step (`_rosenbrock23_plain`):
+
+        W = I - h d J,  k1 = W^-1 f0,  y1 = y + (h/2) k1,  k2 = W^-1 (f1 - k1) + k1,
+        y_new = y + h k2.
+
+    Its adjoint recomputes W^-1, k1 and f1 from `y` and goes back through them: each
+    solve's adjoint is a product with W^-T (a transposed solve, with the inverse the
+    step already formed), and the inverse's own adjoint, `adj(W^-1) = adj(k2) u^T +
+    adj(k1) f0^T` (u = f1 - k1), reaches the Jacobian as `adj(J) = h d W^-T adj(W^-1)
+    W^-T`, which `jac_vjp` (the translated VJP of `jax.jacfwd` of the field) takes on
+    to `y` and the parameters."""
+    return _ROSENBROCK23_STEP_VJP.format(gamma=lit(method.tableau.d))
+
+
 def vjp_for_method(method) -> str:
     """The plain step and its adjoint, for the kernels of `kernel_adjoint`."""
     if isinstance(method, ExplicitRungeKutta):
         return _erk_plain(method.tableau) + _erk_step_vjp(method.tableau)
-    raise ValueError(f"the in-kernel adjoint runs explicit Runge--Kutta methods, "
-                     f"not {method.name!r}")
+    if isinstance(method, Rosenbrock23):
+        return _rosenbrock23_plain(method) + _rosenbrock23_step_vjp(method)
+    raise ValueError(f"the in-kernel adjoint runs explicit Runge--Kutta methods and "
+                     f"Rosenbrock23, not {method.name!r}")
 
 
 def for_method(method) -> tuple[list[str], str]:

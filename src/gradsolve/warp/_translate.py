@@ -695,15 +695,18 @@ def _write_block(builder, values, array: str, base: int):
         builder.lines.append(f"    {target} = {target} + {_code(x)}")
 
 
-def translate_vjp(f_jax, params, y0) -> str:
-    """Warp source for the vector-Jacobian product of one trajectory's field:
+def translate_vjp(f_jax, params, y0, *, of: str = "field") -> str:
+    """Warp source for the vector-Jacobian product of one trajectory's field
+    (`of="field"`) or of its Jacobian `df/dy` (`of="jac"`, for Rosenbrock23's adjoint):
 
-        field_vjp(t, y, lam, p, s, i, gp, gs) -> V
+        field_vjp(t, y, lam: V, p, s, i, gp, gs) -> V
+        jac_vjp(t, y, lam: M, p, s, i, gp, gs) -> V
 
-    returns `lam^T df/dy` and adds `lam^T df/dtheta` into row `i` of `gp` (the
-    trajectory's own parameters, `p`'s layout) and of `gs` (the shared ones, `s`'s
-    layout; rows are summed over trajectories by the caller). It is the translation
-    of the jaxpr of `jax.vjp` of `f_jax` -- JAX's own derivative, written out.
+    returns `lam^T dg/dy` (g the field or its Jacobian, `lam` its cotangent) and adds
+    `lam^T dg/dtheta` into row `i` of `gp` (the trajectory's own parameters, `p`'s
+    layout) and of `gs` (the shared ones, `s`'s layout; rows are summed over
+    trajectories by the caller). It is the translation of the jaxpr of `jax.vjp` of g
+    -- JAX's own derivative, written out.
 
     Raises:
         UntranslatableField: naming the JAX primitive it cannot translate.
@@ -720,16 +723,22 @@ def translate_vjp(f_jax, params, y0) -> str:
         def f(y, diff):
             it = iter(diff)
             full = [next(it) if keep else x for x, keep in zip(leaves, inexact)]
-            return f_jax(t, y, eqx.combine(jax.tree.unflatten(treedef, full), code))
+            args = eqx.combine(jax.tree.unflatten(treedef, full), code)
+            if of == "jac":
+                return jax.jacfwd(f_jax, argnums=1)(t, y, args)
+            return f_jax(t, y, args)
         _, back = jax.vjp(f, y, diff)
         return back(lam)
 
     t = jnp.zeros((), y0.dtype)
     y = jnp.zeros((d,), y0.dtype)
-    closed = jax.make_jaxpr(vjp)(t, y, leaves, y)
+    shape = (d, d) if of == "jac" else (d,)
+    closed = jax.make_jaxpr(vjp)(t, y, leaves, jnp.zeros(shape, y0.dtype))
     _check_rules(closed.jaxpr)
     builder = _Builder()
-    lam = np.asarray([_Sym(f"lam[{k}]") for k in range(d)], dtype=object)
+    lam = np.empty(shape, dtype=object)
+    for k in np.ndindex(shape):
+        lam[k] = _Sym(f"lam[{', '.join(map(str, k))}]")
     outs = _eval(builder, closed.jaxpr, closed.consts, [*_inputs(arrays, shared, d), lam])
     dy, grads = np.asarray(outs[0], dtype=object), iter(outs[1:])
     column = index = 0
@@ -742,9 +751,9 @@ def translate_vjp(f_jax, params, y0) -> str:
             index += size
         else:
             column += size
-    header = ("@wp.func\ndef field_vjp(t: T, y: V, lam: V, p: wp.array2d(dtype=T), "
-              "s: wp.array(dtype=T), i: int, gp: wp.array2d(dtype=T), "
-              "gs: wp.array2d(dtype=T)) -> V:")
+    header = (f"@wp.func\ndef {of}_vjp(t: T, y: V, lam: {'M' if of == 'jac' else 'V'}, "
+              "p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int, "
+              "gp: wp.array2d(dtype=T), gs: wp.array2d(dtype=T)) -> V:")
     values = ", ".join(_code(x) for x in dy.ravel())
     return "\n".join([builder.declarations() + header, *builder.lines,
                       f"    return V({values})", ""])
