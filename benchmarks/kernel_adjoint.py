@@ -18,9 +18,7 @@ against the JAX replay of the same mesh and Diffrax's Kvaerno5.
 from _harness import cli, fmt, log, md_table, run, target, warm
 
 import diffrax  # noqa: E402
-import equinox as eqx  # noqa: E402
-import jax  # noqa: E402  (after _harness, which turns float64 on)
-import jax.numpy as jnp  # noqa: E402
+import jax.numpy as jnp  # noqa: E402  (after _harness, which turns float64 on)
 
 import gradsolve as gs  # noqa: E402
 
@@ -90,19 +88,11 @@ def stiff(args):
     return {"method": "rosenbrock23", "rtol": 1e-5, "atol": 1e-9, "rows": rows}
 
 
-def _spiral(B, width, depth, key):
-    """A 2-D neural ODE, as Diffrax's neural ODE example: y' = MLP(y), Shared."""
-    net = eqx.nn.MLP(2, 2, width, depth, activation=jnp.tanh, key=key)
-    y0 = jax.random.uniform(jax.random.key(1), (B, 2), minval=-0.6, maxval=1.0)
-    return gs.EnsembleProblem(lambda t, y, p: p["net"](y), y0, {"net": gs.Shared(net)},
-                              (0.0, 2.0), fused=True, name="spiral")
-
-
 def neural(args):
     batches = [32] if args.quick else [32, 256]
     rows = []
     for B in batches:
-        prob = _spiral(B, 64, 2, jax.random.key(0))
+        prob = gs.problems.neural_spiral(B, width=64, depth=2, t_span=(0.0, 2.0))
         reps = args.repeats or 5
         kw = dict(rtol=1e-3, atol=1e-6)
         ka, vg = _grad_time(prob, reps, engine="kernel_adjoint", **kw)

@@ -8,7 +8,8 @@ import pytest
 
 MODULES = ["gradsolve.problem", "gradsolve.mesh", "gradsolve.record", "gradsolve.replay",
            "gradsolve.grad", "gradsolve.solve", "gradsolve.router", "gradsolve.status",
-           "gradsolve.methods._tableau", "gradsolve.fields._systems", "gradsolve.warp._registry",
+           "gradsolve.methods._tableau", "gradsolve.fields._systems", "gradsolve.fields._neural",
+           "gradsolve.warp._registry",
            "gradsolve.calibrate._calibrator", "gradsolve.calibrate._transforms"]
 
 

@@ -2,8 +2,8 @@
 
 from .fields import (  # noqa: F401
     galactic_halo, hires, linear, linear_exact, linear_stiff, lorenz, lorenz96,
-    robertson, van_der_pol,
+    neural_robertson, neural_spiral, robertson, van_der_pol,
 )
 
 __all__ = ["galactic_halo", "hires", "linear", "linear_exact", "linear_stiff", "lorenz",
-           "lorenz96", "robertson", "van_der_pol"]
+           "lorenz96", "neural_robertson", "neural_spiral", "robertson", "van_der_pol"]

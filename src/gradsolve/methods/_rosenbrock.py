@@ -14,6 +14,7 @@ step of one and discarded, so no NaN reaches a derivative.
 import dataclasses
 from typing import ClassVar
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
@@ -40,8 +41,10 @@ def _safe(h):
 
 
 def uses_time(f, t, y, args) -> bool:
-    """Whether `f(t, y, args)` reads `t` (any equation of its jaxpr takes it)."""
-    closed = jax.make_jaxpr(f)(t, y, args)
+    """Whether `f(t, y, args)` reads `t` (any equation of its jaxpr takes it). Only
+    the arrays of `args` are traced: an MLP's activation (a function) is code."""
+    arrays, code = eqx.partition(args, eqx.is_array)
+    closed = jax.make_jaxpr(lambda t, y, a: f(t, y, eqx.combine(a, code)))(t, y, arrays)
     t_var = closed.jaxpr.invars[0]
 
     def reads(jaxpr, var):
