@@ -52,8 +52,8 @@ def neural_spiral(n=32, *, key=None, width=64, depth=2, t_span=(0.0, 10.0),
     net = eqx.nn.MLP(2, 2, width, depth, activation=activation, key=key)
     net = jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, net)
     s = np.linspace(0.0, 1.0, n) if n > 1 else np.array([0.5])
-    y0 = np.stack([2.0 * np.cos(np.pi * s) * (0.6 + 0.4 * s),
-                   2.0 * np.sin(np.pi * s) * (0.6 + 0.4 * s) - 0.2], axis=1)
+    radius = 0.5 + 0.5 * s  # the cubic field turns faster further out
+    y0 = np.stack([radius * np.cos(np.pi * s), radius * np.sin(np.pi * s)], axis=1)
     return EnsembleProblem(f_jax=neural_f, y0=jnp.asarray(y0, dtype),
                            params={"net": Shared(net)}, t_span=t_span, fused=True,
                            name="neural_spiral")
