@@ -22,11 +22,13 @@ from .config import check_interpolate, check_ts, default_remat
 from .mesh import Mesh
 from .problem import as_problem, field, param_axes
 from .status import Status
+from .warp import _adjoint
 
 
 def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
-           interpolate=False):
-    """Replay `mesh` from `y0` with `params`: differentiable, pure JAX.
+           interpolate=False, engine=None):
+    """Replay `mesh` from `y0` with `params`: differentiable (pure JAX, or the Warp
+    kernels of the in-kernel adjoint with `engine="kernel_adjoint"`).
 
     Args:
         prob: the ensemble problem (its `f_jax`, and defaults for `params`, `y0`).
@@ -39,6 +41,10 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
             default: on for non-stiff methods, and for stiff ones from 16 variables on).
         interpolate: serve `ts` from the method's continuous extension on the mesh
             step containing each time (Rodas5P), instead of an extra integrated step.
+        engine: None (the JAX replay) or `"kernel_adjoint"`: the same function
+            computed by Warp kernels, its gradient by the Warp backward (Tsit5 and
+            Rosenbrock23 meshes of a field the translator accepts; `remat` and
+            `interpolate` do not apply).
 
     Returns:
         Final states `(n, d)`, or `(n, len(ts), d)` with `ts`.
@@ -60,6 +66,14 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
     method = methods.get(mesh.method)
     ts = check_ts(ts, prob.t_span)
     check_interpolate(method, interpolate)
+    if engine == "kernel_adjoint":
+        if interpolate or remat:
+            raise ValueError("engine='kernel_adjoint' takes neither interpolate nor remat "
+                             "(it stores one state per mesh point and recomputes stages)")
+        return _adjoint.replay_function(prob, mesh.method, ts)(mesh, params, y0)
+    if engine is not None:
+        raise ValueError(f"engine must be None (the JAX replay) or 'kernel_adjoint', "
+                         f"got {engine!r}")
     if remat is None:
         remat = default_remat(method, prob.stiff, prob.d)
     return _replay(prob.f_jax, method, mesh, params, y0, ts, bool(remat), interpolate)

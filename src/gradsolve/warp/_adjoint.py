@@ -23,9 +23,12 @@ identity, and its adjoint is too.
 import functools
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .. import methods
+from ..status import Status
 from . import _kernels, _launch, _runtime, _steps, _translate
 from ._launch import INT, INT32, count, output, per_trajectory, scalar, shared
 
@@ -244,3 +247,75 @@ def backward(prog: Program, run: Forward, h, ok, ct, leaves, ts):
     gp = np.where(keep, out.gp, 0)
     gs = np.where(keep, out.gs, 0).sum(axis=0)  # in trajectory order: reproducible
     return g_y0, _translate.unpack_leaves(gp, gs, leaves, prog.shared)
+
+
+def replay_function(prob, method_name: str, ts=None):
+    """The pure function `(mesh, params, y0) -> ys` of the in-kernel adjoint: final
+    states `(n, d)`, or `(n, len(ts), d)` with `ts`; a `jax.custom_vjp` whose forward
+    and backward are the two kernels, called through `jax.pure_callback` (so it works
+    under `jit` and `grad`). Failed trajectories (`mesh.status`) give exact zeros.
+
+    Raises:
+        ValueError: the field or its VJP cannot be translated (naming the primitive).
+    """
+    try:
+        prog = program(prob, method_name)
+    except _translate.UntranslatableField as err:
+        raise ValueError(f"engine 'kernel_adjoint' cannot serve this problem: {err}") from None
+    ts = None if ts is None else np.asarray(ts, np.dtype(prob.y0.dtype))
+
+    def host_forward(h, n_steps, ok, t0, y0, *leaves):
+        run = forward(prog, np.asarray(h), np.asarray(n_steps), np.asarray(ok),
+                               float(t0), np.asarray(y0), [np.asarray(x) for x in leaves], ts)
+        return run.ys, run.states, run.tgrid, run.base
+
+    def forward_call(h, n_steps, ok, t0, y0, leaves):
+        n, d = y0.shape
+        points = h.shape[1] + 1
+        n_ts = 0 if ts is None else len(ts)
+        shapes = (jax.ShapeDtypeStruct((n, d) if ts is None else (n, n_ts, d), y0.dtype),
+                  jax.ShapeDtypeStruct((n, points, d), y0.dtype),
+                  jax.ShapeDtypeStruct((n, points), y0.dtype),
+                  jax.ShapeDtypeStruct((n, max(n_ts, 1)), jnp.int32))
+        return jax.pure_callback(host_forward, shapes, h, n_steps, ok, t0, y0, *leaves)
+
+    @jax.custom_vjp
+    def run(h, n_steps, ok, t0, y0, *leaves):
+        return forward_call(h, n_steps, ok, t0, y0, leaves)[0]
+
+    def run_fwd(h, n_steps, ok, t0, y0, *leaves):
+        ys, states, tgrid, base = forward_call(h, n_steps, ok, t0, y0, leaves)
+        return ys, (h, n_steps, ok, t0, y0, leaves, states, tgrid, base)
+
+    def run_bwd(res, ct):
+        h, n_steps, ok, t0, y0, leaves, states, tgrid, base = res
+        inexact = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
+
+        def host_backward(states, tgrid, base, h, ok, ct, *leaves):
+            run = Forward(None, np.asarray(states), np.asarray(tgrid), np.asarray(base))
+            g_y0, grads = backward(prog, run, np.asarray(h), np.asarray(ok),
+                                            np.asarray(ct), [np.asarray(x) for x in leaves], ts)
+            return (g_y0.astype(y0.dtype), *[g for g, keep in zip(grads, inexact) if keep])
+
+        shapes = (jax.ShapeDtypeStruct(y0.shape, y0.dtype),
+                  *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x, keep in zip(leaves, inexact)
+                    if keep])
+        g_y0, *grads = jax.pure_callback(host_backward, shapes, states, tgrid, base, h, ok,
+                                         ct, *leaves)
+        grads = iter(grads)
+        float0 = lambda x: np.zeros(x.shape, jax.dtypes.float0)
+        g_leaves = [next(grads) if keep else float0(x) for x, keep in zip(leaves, inexact)]
+        return (jnp.zeros_like(h), float0(n_steps), float0(ok), jnp.zeros_like(t0), g_y0,
+                *g_leaves)
+
+    run.defvjp(run_fwd, run_bwd)
+
+    def ys_fn(mesh, params, y0):
+        leaves = [x for x, _ in _translate._flat(params)]
+        ok = mesh.status == Status.SUCCESS
+        # The recorded-mesh convention: the step sizes are data.
+        h = jnp.where(ok[:, None], jax.lax.stop_gradient(mesh.h).astype(y0.dtype), 0)
+        n_steps = jnp.where(ok, mesh.n_steps, 0).astype(jnp.int32)
+        t0 = jax.lax.stop_gradient(mesh.t0).astype(y0.dtype)
+        return run(h, n_steps, ok, t0, y0, *leaves)
+    return ys_fn
