@@ -50,8 +50,9 @@ def test_robertson_rates_recover_k1_k3_within_five_percent():
 def test_neural_robertson_gradient_and_training():
     # The MLP's gradient on the recorded stiff mesh equals central differences on the
     # same mesh for the largest-gradient weight of the first and last layers (1e-6:
-    # eps 1e-5 on weights of size ~0.3, the loss smooth in them), and 30 Adam updates
-    # lower the loss.
+    # eps 1e-5 on weights of size ~0.3, the loss smooth in them), and 40 Adam updates
+    # on the recipe's engine (kernel_adjoint, Rosenbrock23) lower the loss below half
+    # (measured 0.44 of the first loss).
     prob, to_params, loss, data, theta0 = neural_robertson.build(K=2)
     ts = neural_robertson.TS
     mlp = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
@@ -59,7 +60,7 @@ def test_neural_robertson_gradient_and_training():
 
     @eqx.filter_jit
     def L(m):
-        ys = gs.replay(prob, mesh, params={"mlp": gs.Shared(m)}, ts=ts)
+        ys = gs.replay(prob, mesh, params=to_params(m), ts=ts)
         return loss(ys, m, data[0])
 
     # Move off the zero-output start so every weight has a gradient.
@@ -72,10 +73,11 @@ def test_neural_robertson_gradient_and_training():
         up = L(eqx.tree_at(pick, mlp, w.at[i].add(eps)))
         dn = L(eqx.tree_at(pick, mlp, w.at[i].add(-eps)))
         assert rel_err(gw[i], (up - dn) / (2 * eps)) < 1e-6
-    cal = gs.Calibrator(prob, loss, to_params=to_params, data=data, ts=ts, rtol=1e-7,
-                        atol=1e-11, optimizer=optax.adam(3e-3))
-    res = cal.fit(theta0, steps=30, progress=False)
-    assert res.loss[0] < 0.5 * res.history[0, 0]
+    cal = gs.Calibrator(prob, loss, to_params=to_params, data=data, ts=ts,
+                        optimizer=optax.adam(3e-3), engine="kernel_adjoint",
+                        **neural_robertson.SETTINGS)
+    res = cal.fit(theta0, steps=40, progress=False)
+    assert res.engine == "kernel_adjoint" and res.loss[0] < 0.5 * res.history[0, 0]
 
 
 def test_neural_spiral_training_lowers_the_loss():
