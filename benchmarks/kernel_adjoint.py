@@ -17,8 +17,12 @@ against the JAX replay of the same mesh and Diffrax's Kvaerno5.
 
 from _harness import cli, fmt, log, md_table, run, target, warm
 
+import tracemalloc  # noqa: E402
+
 import diffrax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402  (after _harness, which turns float64 on)
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402  (after _harness, which turns float64 on)
+import jax.numpy as jnp  # noqa: E402
 
 import gradsolve as gs  # noqa: E402
 
@@ -88,6 +92,48 @@ def stiff(args):
     return {"method": "rosenbrock23", "rtol": 1e-5, "atol": 1e-9, "rows": rows}
 
 
+def _memory(vg, prob):
+    """`(XLA temporaries, host peak)` in bytes of one gradient call: the compiled
+    function's memory analysis, and Python's traced allocations during the call (the
+    in-kernel adjoint's NumPy buffers: the stored states, the per-trajectory rows)."""
+    mesh = getattr(vg, "mesh", None)
+    compiled = vg._call.lower(mesh, prob.params, prob.y0).compile().compiled
+    tracemalloc.start()
+    jax.block_until_ready(vg())
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return compiled.memory_analysis().temp_size_in_bytes, peak
+
+
+def neural_stiff(args):
+    """`gs.problems.neural_robertson` (an MLP 3 -> 16 -> 16 -> 1 in the autocatalytic
+    rate), Rosenbrock23 at the recipe's rtol 1e-6, atol 1e-10, t in [0, 100], B
+    reactors: time and memory per gradient."""
+    batches = [32] if args.quick else [32, 128, 512]
+    rows = []
+    for B in batches:
+        prob = gs.problems.neural_robertson(n=B)
+        last = lambda p: p["mlp"].value.layers[-1].weight
+        prob = prob.replace(params=eqx.tree_at(last, prob.params, jnp.full((1, 16), 0.05)))
+        reps = args.repeats or 3
+        kw = dict(method="rosenbrock23", rtol=1e-6, atol=1e-10)
+        ka, vg = _grad_time(prob, reps, engine="kernel_adjoint", **kw)
+        row = {"B": B, "repeats": reps, "S": vg.mesh.columns, "kernel_adjoint": ka,
+               "memory": {"kernel_adjoint": _memory(vg, prob)}}
+        for name, extra in (("replay", {}), ("replay_remat", {"remat": True})):
+            t, v = _grad_time(prob, reps, engine="fused_replay", mesh=vg.mesh, **kw, **extra)
+            row[name], row["memory"][name] = t, _memory(v, prob)
+        kv = gs.engines.Diffrax(solver=diffrax.Kvaerno5(), checkpoints=4096)
+        row["diffrax"], v = _grad_time(prob, reps, engine=kv, max_steps=4096, rtol=1e-6,
+                                       atol=1e-10)
+        row["memory"]["diffrax"] = _memory(v, prob)
+        log(f"  B={B}: kernel_adjoint {ka * 1e3:.1f} ms, replay x{row['replay'] / ka:.2f}, "
+            f"remat x{row['replay_remat'] / ka:.2f}, Diffrax x{row['diffrax'] / ka:.2f}; "
+            f"memory (MB) " + ", ".join(f"{k} {sum(m) / 1e6:.1f}" for k, m in row["memory"].items()))
+        rows.append(row)
+    return {"rtol": 1e-6, "atol": 1e-10, "batches": rows}
+
+
 def neural(args):
     batches = [32] if args.quick else [32, 256]
     rows = []
@@ -130,6 +176,18 @@ def render(sections):
         out["stiff"] = md_table(["field", "n", "S", "kernel_adjoint s", "fused_replay s",
                                  "Diffrax Kvaerno5 s", "fused_replay / ka", "Diffrax / ka"],
                                 rows)
+    if "neural_stiff" in sections:
+        mb = lambda r, k: f"{sum(r['memory'][k]) / 1e6:.1f}"
+        rows = [[r["B"], r["S"], f"{r['kernel_adjoint']:.4f}", f"{r['replay']:.4f}",
+                 f"{r['replay_remat']:.4f}", f"{r['diffrax']:.4f}",
+                 fmt(r["replay"] / r["kernel_adjoint"]), fmt(r["diffrax"] / r["kernel_adjoint"]),
+                 mb(r, "kernel_adjoint"), mb(r, "replay"), mb(r, "replay_remat"), mb(r, "diffrax"),
+                 fmt(sum(r["memory"]["replay"]) / sum(r["memory"]["kernel_adjoint"]))]
+                for r in sections["neural_stiff"]["batches"]]
+        out["neural_stiff"] = md_table(
+            ["B", "S", "kernel_adjoint s", "JAX replay s", "JAX replay, remat s",
+             "Diffrax Kvaerno5 s", "replay / ka", "Diffrax / ka", "ka MB", "replay MB",
+             "remat MB", "Diffrax MB", "replay MB / ka MB"], rows)
     if "neural" in sections:
         rows = [[r["B"], r["S"], f"{r['kernel_adjoint']:.4f}", f"{r['fused_replay']:.4f}",
                  f"{r['diffrax']:.4f} ({r['diffrax_setting']})",
@@ -151,6 +209,14 @@ def targets(sections):
                                   for r in rows if r["n"] >= 128}),
                 target("Lorenz, kernel_adjoint gradient / fused forward solve", "<=", 3,
                        {f"n={r['n']}": r["kernel_adjoint"] / r["fused_solve"] for r in rows})]
+    if "neural_stiff" in sections:
+        rows = sections["neural_stiff"]["batches"]
+        out += [target("Neural Robertson, JAX replay memory / kernel_adjoint memory, B = 128",
+                       ">=", 100, {f"B={r['B']}": sum(r["memory"]["replay"])
+                                   / sum(r["memory"]["kernel_adjoint"])
+                                   for r in rows if r["B"] == 128}),
+                target("Neural Robertson, kernel_adjoint gradient vs Diffrax Kvaerno5", ">=", 2,
+                       {f"B={r['B']}": r["diffrax"] / r["kernel_adjoint"] for r in rows})]
     if "neural" in sections:
         out.append(target("Neural ODE (width 64, depth 2), kernel_adjoint gradient vs Diffrax",
                           ">=", 3, {f"B={r['B']}": r["diffrax"] / r["kernel_adjoint"]
@@ -158,7 +224,7 @@ def targets(sections):
     return out
 
 
-SECTIONS = {"lorenz": lorenz, "stiff": stiff, "neural": neural}
+SECTIONS = {"lorenz": lorenz, "stiff": stiff, "neural": neural, "neural_stiff": neural_stiff}
 
 if __name__ == "__main__":
     args = cli(__doc__, SECTIONS)
