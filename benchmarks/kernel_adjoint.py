@@ -17,14 +17,18 @@ against the JAX replay of the same mesh and Diffrax's Kvaerno5.
 
 from _harness import cli, fmt, log, md_table, run, target, warm
 
+import time  # noqa: E402
 import tracemalloc  # noqa: E402
 
 import diffrax  # noqa: E402
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402  (after _harness, which turns float64 on)
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 import gradsolve as gs  # noqa: E402
+from gradsolve.fields import _neural  # noqa: E402
 
 RTOL, ATOL, MAX_STEPS = 1e-6, 1e-9, 256
 
@@ -134,6 +138,42 @@ def neural_stiff(args):
     return {"rtol": 1e-6, "atol": 1e-10, "batches": rows}
 
 
+def _timed_fit(cal, theta0, steps):
+    t = time.perf_counter()
+    res = cal.fit(theta0, steps=steps, progress=False)
+    jax.block_until_ready(res.theta)
+    return time.perf_counter() - t, res
+
+
+def spiral_fit(args):
+    """Training the width-64 neural spiral (one Calibrator fit on B trajectories, data
+    from the true field at 8 times in [0, 2], Adam 3e-3, rtol 1e-3, atol 1e-6): time
+    per update (T(25) - T(5)) / 20 of warm fits, and the loss after 25 updates, for
+    kernel_adjoint, fused_replay and Diffrax (Tsit5, checkpointed)."""
+    batches = [32] if args.quick else [32, 256]
+    ts = jnp.linspace(0.25, 2.0, 8)
+    rows = []
+    for B in batches:
+        prob = gs.problems.neural_spiral(B, width=64, depth=2, t_span=(0.0, 2.0))
+        truth = prob.replace(f_jax=_neural.spiral_f, params=None, fused=False)
+        data = gs.solve(truth, rtol=1e-10, atol=1e-12, ts=ts).ys[None]
+        theta0 = jax.tree.map(lambda x: x[None] if eqx.is_array(x) else x, prob.params["net"].value)
+        row = {"B": B}
+        for side, engine in (("kernel_adjoint", "kernel_adjoint"), ("fused_replay", "fused_replay"),
+                             ("diffrax", gs.engines.Diffrax())):
+            cal = gs.Calibrator(prob, lambda ys, net, obs: jnp.mean((ys - obs) ** 2),
+                                to_params=lambda net: {"net": gs.Shared(net)}, data=data, ts=ts,
+                                rtol=1e-3, atol=1e-6, optimizer=optax.adam(3e-3), engine=engine)
+            _timed_fit(cal, theta0, 5), _timed_fit(cal, theta0, 25)  # compile both
+            t5, t25 = (np.median([_timed_fit(cal, theta0, n)[0] for _ in range(3)]) for n in (5, 25))
+            row[side] = float((t25 - t5) / 20)
+            row[f"loss_{side}"] = float(_timed_fit(cal, theta0, 25)[1].loss[0])
+        log(f"  B={B}: per update kernel_adjoint {row['kernel_adjoint'] * 1e3:.1f} ms, "
+            f"fused_replay {row['fused_replay'] * 1e3:.1f} ms, Diffrax {row['diffrax'] * 1e3:.1f} ms")
+        rows.append(row)
+    return {"batches": rows}
+
+
 def neural(args):
     batches = [32] if args.quick else [32, 256]
     rows = []
@@ -176,6 +216,16 @@ def render(sections):
         out["stiff"] = md_table(["field", "n", "S", "kernel_adjoint s", "fused_replay s",
                                  "Diffrax Kvaerno5 s", "fused_replay / ka", "Diffrax / ka"],
                                 rows)
+    if "spiral_fit" in sections:
+        rows = [[r["B"], f"{r['kernel_adjoint'] * 1e3:.2f}", f"{r['fused_replay'] * 1e3:.2f}",
+                 f"{r['diffrax'] * 1e3:.2f}", fmt(r["diffrax"] / r["kernel_adjoint"]),
+                 fmt(r["diffrax"] / r["fused_replay"]),
+                 f"{r['loss_kernel_adjoint']:.4g} / {r['loss_fused_replay']:.4g} / "
+                 f"{r['loss_diffrax']:.4g}"] for r in sections["spiral_fit"]["batches"]]
+        out["spiral_fit"] = md_table(
+            ["B", "kernel_adjoint ms/update", "fused_replay ms/update", "Diffrax ms/update",
+             "Diffrax / ka", "Diffrax / fused_replay",
+             "loss after 25 updates (ka / fused_replay / Diffrax)"], rows)
     if "neural_stiff" in sections:
         mb = lambda r, k: f"{sum(r['memory'][k]) / 1e6:.1f}"
         rows = [[r["B"], r["S"], f"{r['kernel_adjoint']:.4f}", f"{r['replay']:.4f}",
@@ -217,6 +267,10 @@ def targets(sections):
                                    for r in rows if r["B"] == 128}),
                 target("Neural Robertson, kernel_adjoint gradient vs Diffrax Kvaerno5", ">=", 2,
                        {f"B={r['B']}": r["diffrax"] / r["kernel_adjoint"] for r in rows})]
+    if "spiral_fit" in sections:
+        out.append(target("Neural spiral training, time per update, kernel_adjoint vs Diffrax",
+                          ">=", 3, {f"B={r['B']}": r["diffrax"] / r["kernel_adjoint"]
+                                    for r in sections["spiral_fit"]["batches"]}))
     if "neural" in sections:
         out.append(target("Neural ODE (width 64, depth 2), kernel_adjoint gradient vs Diffrax",
                           ">=", 3, {f"B={r['B']}": r["diffrax"] / r["kernel_adjoint"]
@@ -224,7 +278,8 @@ def targets(sections):
     return out
 
 
-SECTIONS = {"lorenz": lorenz, "stiff": stiff, "neural": neural, "neural_stiff": neural_stiff}
+SECTIONS = {"lorenz": lorenz, "stiff": stiff, "neural": neural, "spiral_fit": spiral_fit,
+            "neural_stiff": neural_stiff}
 
 if __name__ == "__main__":
     args = cli(__doc__, SECTIONS)
