@@ -67,3 +67,37 @@ def test_per_trajectory_inputs_must_have_n_rows(kernel):
     with pytest.raises(ValueError, match="x: 3 rows, expected 4"):
         _launch.run(kernel, SCALE, dict(x=np.zeros((3, 2)), w=np.zeros(2), a=1.0), n=4,
                     dtype=np.float64, lanes=1, budget=1 << 30)
+
+
+ROWS = _launch.Signature((per_trajectory("x", 3), count("m"), _launch.block_sum("total", 3)))
+
+ROWS_BODY = """
+    i = wp.tid()
+    if i < m:
+        for k in range(3):
+            total[i, k] = x[i, k] * x[i, k]
+"""
+
+
+@pytest.fixture(scope="module")
+def rows_kernel():
+    return _runtime.load(_kernels.header(3, 64) + "\n" + ROWS.header("rows") + ROWS_BODY).rows
+
+
+def test_block_sums_are_the_same_bits_whatever_the_chunking_and_threads(rows_kernel,
+                                                                         monkeypatch):
+    # Rows summed in fixed blocks of BLOCK trajectories, launches aligned to them: one
+    # chunk or chunks of one block, one thread or two, give the same bits; the sum is
+    # NumPy's to roundoff (1e-14 relative: a different order of the same 1000 terms).
+    rng = np.random.default_rng(1)
+    n = 1000
+    x = rng.normal(size=(n, 3))
+    runs = []
+    for budget, threads in [(1 << 30, "1"), (1 << 30, "2"), (_launch.BLOCK * 48, "2"),
+                            (_launch.BLOCK * 48, "1")]:
+        monkeypatch.setenv("GRADSOLVE_CPU_THREADS", threads)
+        runs.append(_launch.run(rows_kernel, ROWS, dict(x=x), n=n, dtype=np.float64, lanes=1,
+                                budget=budget).total)
+    for other in runs[1:]:
+        np.testing.assert_array_equal(runs[0], other)
+    np.testing.assert_allclose(runs[0], (x ** 2).sum(axis=0), rtol=1e-14)

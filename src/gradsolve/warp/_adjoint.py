@@ -11,10 +11,11 @@ field (`_translate.translate_vjp`) -- no Warp autodiff, no tape through a dynami
 loop. The cotangents of the `ts` outputs enter at their base points.
 
 Memory: the stored states, `n (S + 1) d` numbers (the JAX replay's reverse sweep
-stores every stage of every step unless remat is on), plus one row of the shared
-parameters' gradient per trajectory (`n x k`), summed on the host in trajectory
-order -- so the shared gradient is the same bit for bit whatever the chunking or the
-thread count, and no atomics are contended.
+stores every stage of every step unless remat is on). The shared parameters'
+gradient is one row per trajectory, summed by the launch driver in fixed blocks
+(`_launch.block_sum`): the same bit for bit whatever the chunking or the thread
+count, no atomics contended, and no more rows at a time than the memory budget holds.
+A failed trajectory (`ok` 0) is skipped: its rows stay exact zeros.
 
 A step of size zero is skipped in both directions: a padded column is exactly the
 identity, and its adjoint is too.
@@ -30,7 +31,7 @@ import numpy as np
 from .. import methods
 from ..status import Status
 from . import _kernels, _launch, _runtime, _steps, _translate
-from ._launch import INT, INT32, count, output, per_trajectory, scalar, shared
+from ._launch import INT, INT32, block_sum, count, output, per_trajectory, scalar, shared
 
 
 MEMORY_BUDGET = 1 << 30
@@ -46,9 +47,10 @@ FORWARD = _launch.Signature((
 BACKWARD = _launch.Signature((
     per_trajectory("states", "points", "d"), per_trajectory("tgrid", "points"),
     per_trajectory("h", "width"), per_trajectory("base", "n_ts", dtype=INT32),
-    per_trajectory("ct", "n_ct", "d"), per_trajectory("p", "columns"), shared("s"),
-    shared("ts"), scalar("n_ts", INT), scalar("width", INT), count("m"),
-    output("g_y0", "d"), output("gp", "columns"), output("gs", "k"),
+    per_trajectory("ct", "n_ct", "d"), per_trajectory("ok", dtype=INT32),
+    per_trajectory("p", "columns"), shared("s"), shared("ts"), scalar("n_ts", INT),
+    scalar("width", INT), count("m"),
+    output("g_y0", "d"), output("gp", "columns"), block_sum("gs", "k"),
 ))
 
 _FORWARD_BODY = """
@@ -86,7 +88,10 @@ _FORWARD_BODY = """
 
 _BACKWARD_BODY = """
     i = wp.tid()
+    live = int(0)
     if i < m:
+        live = ok[i]
+    if live == 1:
         lam = V()
         if n_ts == 0:
             for k in range(D):
@@ -233,20 +238,16 @@ def backward(prog: Program, run: Forward, h, ok, ct, leaves, ts):
     n, points, d = run.states.shape
     n_ts = 0 if ts is None else len(ts)
     ok = np.asarray(ok, bool)
-    ct = np.where(ok.reshape((n,) + (1,) * (ct.ndim - 1)), ct, 0)
     P, S = _translate.pack_leaves(leaves, prog.shared, n)
     out = _launch.run(
         prog.backward, BACKWARD,
         dict(states=run.states, tgrid=run.tgrid, h=h, base=run.base,
-             ct=ct.reshape(n, -1, d), p=P, s=S, ts=np.zeros(1) if ts is None else ts,
+             ct=ct.reshape(n, -1, d), ok=ok.astype(np.int32), p=P, s=S,
+             ts=np.zeros(1) if ts is None else ts,
              n_ts=n_ts, width=points - 1),
         n=n, dtype=dtype, lanes=1, budget=MEMORY_BUDGET,
         sizes=dict(d=d, columns=P.shape[1], k=S.shape[0]))
-    keep = ok[:, None]
-    g_y0 = np.where(keep, out.g_y0, 0)
-    gp = np.where(keep, out.gp, 0)
-    gs = np.where(keep, out.gs, 0).sum(axis=0)  # in trajectory order: reproducible
-    return g_y0, _translate.unpack_leaves(gp, gs, leaves, prog.shared)
+    return out.g_y0, _translate.unpack_leaves(out.gp, out.gs, leaves, prog.shared)
 
 
 def replay_function(prob, method_name: str, ts=None):

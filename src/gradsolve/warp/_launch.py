@@ -8,8 +8,13 @@ A kernel that runs whole trajectories per thread takes, in its parameter order:
 - `count`: the number of trajectories in this launch (the kernel guards its lanes);
 - `output`s: one row per trajectory, zero-initialised, copied back to the host;
 - `accumulator`s: one zero-initialised array per launch (per slice of the ensemble)
-  that the kernel adds into, summed over the launches in slice order on the host --
-  the home for shared-parameter gradients, without atomics across the ensemble.
+  that the kernel adds into, summed over the launches in slice order on the host;
+- `block_sum`s: one row per trajectory for the kernel to write (a shared parameter's
+  gradient, row i from trajectory i alone), returned summed over the trajectories:
+  rows are summed in fixed blocks of `BLOCK` trajectories and the block sums in
+  order, and launches start on block boundaries, so the sum is the same bit for bit
+  whatever the slicing, chunking or thread count, and only one chunk's rows exist at
+  a time (no n x k buffer beyond the memory budget).
 
 A `Signature` lists these; it writes the kernel's Warp header (`header`) so the text
 and the launch cannot disagree, and `run` packs the inputs (host -> Warp arrays of the
@@ -67,7 +72,13 @@ def accumulator(name, *shape, dtype=FLOAT) -> Param:
     return Param(name, "accumulator", shape, dtype)
 
 
-_ARRAY_ROLES = ("per_trajectory", "output")  # one leading axis over the trajectories
+def block_sum(name, *shape, dtype=FLOAT) -> Param:
+    return Param(name, "block_sum", shape, dtype)
+
+
+BLOCK = 64  # trajectories per fixed summation block of a block_sum
+_ARRAY_ROLES = ("per_trajectory", "output", "block_sum")  # a leading axis over trajectories
+_RESULTS = ("output", "accumulator", "block_sum")
 
 
 def _warp_type(param: Param) -> str:
@@ -95,7 +106,7 @@ class Signature:
 
     @functools.cached_property
     def Outputs(self):  # noqa: N802 - a class
-        names = [p.name for p in self.params if p.role in ("output", "accumulator")]
+        names = [p.name for p in self.params if p.role in _RESULTS]
         return NamedTuple("Outputs", [(name, np.ndarray) for name in names])
 
     def header(self, name: str, width: int = 88) -> str:
@@ -144,7 +155,7 @@ def run(kernel, signature: Signature, values: dict, *, n: int, dtype, lanes: int
 
     Returns:
         `signature.Outputs`: each output `(len(rows), *shape)`, each accumulator summed
-        over the launches.
+        over the launches, each block_sum summed over the trajectories.
     """
     wp = _runtime.warp()
     dev = _runtime.device()
@@ -162,8 +173,10 @@ def run(kernel, signature: Signature, values: dict, *, n: int, dtype, lanes: int
                  for p in signature.params if p.role == "shared"}
     outs = {p.name: np.zeros((len(rows), *_shape(p, sizes)), _host(p, dtype))
             for p in signature.params if p.role == "output"}
-    # Per launch: accumulators in slice order, summed at the end in that order.
-    partial = {p.name: {} for p in signature.params if p.role == "accumulator"}
+    block_sums = {p.name for p in signature.params if p.role == "block_sum"}
+    # Per launch: accumulators in slice order, summed at the end in that order; per
+    # block of BLOCK trajectories: the block sums of each block_sum.
+    partial = {p.name: {} for p in signature.params if p.role in ("accumulator", "block_sum")}
 
     # On the CPU, Warp arrays wrap the host memory (no copies in or out): inputs are
     # views of contiguous row ranges, outputs write straight into their NumPy rows.
@@ -195,7 +208,7 @@ def run(kernel, signature: Signature, values: dict, *, n: int, dtype, lanes: int
                 args.append(wrap(outs[p.name][a:b], p))
             else:
                 shape = _shape(p, sizes)
-                results[p.name] = wp.zeros((m, *shape) if p.role == "output" else shape,
+                results[p.name] = wp.zeros((m, *shape) if p.role != "accumulator" else shape,
                                            dtype=element[p.dtype], device=dev)
                 args.append(results[p.name])
         wp.launch(kernel, dim=-(-m // lanes), inputs=args, device=dev)
@@ -205,16 +218,22 @@ def run(kernel, signature: Signature, values: dict, *, n: int, dtype, lanes: int
                 continue  # written in place
             if name in outs:
                 outs[name][a:b] = array.numpy()
+            elif name in block_sums:
+                rows_ = array.numpy()
+                for k in range(0, m, BLOCK):  # a starts on a block boundary
+                    partial[name][a + k] = rows_[k:k + BLOCK].sum(axis=0)
             else:
                 partial[name][a] = array.numpy()
 
-    per_row = sum(int(np.prod(_shape(p, sizes) if p.role == "output" else host[p.name].shape[1:],
-                              dtype=np.int64)) * _host(p, dtype).itemsize
+    per_row = sum(int(np.prod(host[p.name].shape[1:] if p.role == "per_trajectory"
+                              else _shape(p, sizes), dtype=np.int64)) * _host(p, dtype).itemsize
                   for p in signature.params if p.role in _ARRAY_ROLES)
-    chunk = max(1, budget // max(per_row, 1))
+    align = BLOCK if block_sums else 1
+    chunk = max(align, budget // max(per_row, 1) // align * align)
     for start in range(0, len(rows), chunk):
         stop = min(len(rows), start + chunk)
-        _runtime.run_split(lambda a, b, start=start: launch(start + a, start + b), stop - start)
+        _runtime.run_split(lambda a, b, start=start: launch(start + a, start + b), stop - start,
+                           align)
 
     sums = {}
     for name, parts in partial.items():
@@ -224,4 +243,4 @@ def run(kernel, signature: Signature, values: dict, *, n: int, dtype, lanes: int
             total += parts[key]
         sums[name] = total
     return signature.Outputs(**{p.name: outs[p.name] if p.role == "output" else sums[p.name]
-                                for p in signature.params if p.role in ("output", "accumulator")})
+                                for p in signature.params if p.role in _RESULTS})

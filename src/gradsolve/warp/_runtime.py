@@ -91,10 +91,11 @@ def load(source: str):
     return module
 
 
-def slices(n: int, parts: int):
-    """`parts` contiguous, nearly equal `(start, stop)` ranges covering `range(n)`."""
-    parts = max(1, min(parts, n))
-    bounds = [round(k * n / parts) for k in range(parts + 1)]
+def slices(n: int, parts: int, align: int = 1):
+    """`parts` contiguous, nearly equal `(start, stop)` ranges covering `range(n)`,
+    every inner boundary a multiple of `align`."""
+    parts = max(1, min(parts, -(-n // align)))
+    bounds = [min(n, align * round(k * n / parts / align)) for k in range(parts)] + [n]
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
@@ -109,7 +110,7 @@ def cpu_threads() -> int:
     return int(value)
 
 
-def run_split(fn, n: int):
+def run_split(fn, n: int, align: int = 1):
     """Call `fn(start, stop)` over slices of the ensemble: on the CPU
     `SLICES_PER_CORE` slices per thread on a pool of `cpu_threads()` threads (a Warp
     CPU launch is single-threaded and releases the GIL; one thread: one launch), on
@@ -118,7 +119,7 @@ def run_split(fn, n: int):
     if threads == 1:
         fn(0, n)
         return
-    parts = slices(n, min(threads * SLICES_PER_CORE, -(-n // MIN_SLICE)))
+    parts = slices(n, min(threads * SLICES_PER_CORE, -(-n // MIN_SLICE)), align)
     if len(parts) == 1:
         fn(*parts[0])
         return
