@@ -27,8 +27,8 @@ from .fused_replay import FusedReplay
 # on the 2-core CPU (benchmarks/kernel_adjoint.py): Tsit5 on Lorenz is slower than
 # fused_replay at n = 128 (the fixed costs of two launches and two callbacks) and 2-3x
 # faster from n = 1024; Rosenbrock23 is faster at every size measured (Robertson and
-# HIRES, n = 8 to 1024: 1.6-9.5x), the JAX replay's batched LU solves being the slow
-# part there. Not measured on a GPU yet.
+# HIRES, n = 8 to 1024: 1.2-9.5x over two runs), the JAX replay's batched LU solves
+# being the slow part there. Not measured on a GPU yet.
 MIN_N = {"cpu": {"tsit5": 1024, "rosenbrock23": 0}, "cuda": None}
 
 
