@@ -188,12 +188,8 @@ def test_jit_grad_through_gs_replay_with_the_kernel_adjoint(neural, neural_pair)
         gs.replay(neural, ka.mesh, engine="kernel_adjoint", remat=True)
 
 
-def test_calibrator_on_the_kernel_adjoint_fits_as_on_the_jax_replay():
-    # The Calibrator takes engine="kernel_adjoint": B = 2 fits of Lorenz's rho (K = 2
-    # trajectories each), 60 Adam updates with a mesh refresh every 20, end where the
-    # same fit on fused_replay ends -- the gradients agree to roundoff each update
-    # (measured 1.9e-16 relative in rho after 60 updates; bound 1e-9: Adam amplifies
-    # roundoff where a gradient component crosses zero).
+def _rho_fit(engine, **kw):
+    """B = 2 Lorenz rho fits of K = 2 trajectories each: `(calibrator, theta0)`."""
     B, K = 2, 2
     prob = gs.problems.lorenz(n=B * K)
     data = gs.solve(prob, rtol=1e-10, atol=1e-12).ys.reshape(B, K, 3)
@@ -205,14 +201,52 @@ def test_calibrator_on_the_kernel_adjoint_fits_as_on_the_jax_replay():
     def loss(ys, theta, obs):
         return jnp.mean((ys - obs) ** 2)
 
+    cal = gs.Calibrator(prob, loss, to_params=to_params, data=data, optimizer=optax.adam(0.3),
+                        refresh_every=20, engine=engine, **kw)
+    return cal, {"rho": jnp.full(B, 15.0)}
+
+
+def test_calibrator_on_the_kernel_adjoint_fits_as_on_the_jax_replay():
+    # The Calibrator takes engine="kernel_adjoint": 60 Adam updates with a mesh
+    # refresh every 20 end where the same fit on fused_replay ends -- the gradients
+    # agree to roundoff each update (measured 1.9e-16 relative in rho after 60
+    # updates; bound 1e-9: Adam amplifies roundoff where a gradient component crosses
+    # zero).
     fits = {}
     for engine in ("kernel_adjoint", "fused_replay"):
-        cal = gs.Calibrator(prob, loss, to_params=to_params, data=data,
-                            optimizer=optax.adam(0.3), refresh_every=20, engine=engine)
-        res = cal.fit({"rho": jnp.full(B, 15.0)}, steps=60, progress=False)
+        cal, theta0 = _rho_fit(engine)
+        res = cal.fit(theta0, steps=60, progress=False)
         assert res.engine == engine and res.updates == 60
         fits[engine] = np.asarray(res.theta["rho"])
     assert rel_err(fits["kernel_adjoint"], fits["fused_replay"]) < 1e-9
+
+
+def test_ctrl_c_inside_the_kernels_saves_and_resumes(tmp_path, monkeypatch, capsys):
+    # A Ctrl-C that lands while the Warp kernels run inside a host callback reaches
+    # the Calibrator wrapped by XLA (a JaxRuntimeError). It is still an interrupt: the
+    # work is saved, the message says how to resume, KeyboardInterrupt is raised; the
+    # resumed fit ends bit for bit where an uninterrupted one does. (Found by a
+    # new-user script: the wrapped interrupt lost the message and the last updates.)
+    from gradsolve.warp import _adjoint
+    real, calls = _adjoint.backward, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 8:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(_adjoint, "backward", interrupted)
+    cal, theta0 = _rho_fit("kernel_adjoint", checkpoint_dir=tmp_path / "fit",
+                           checkpoint_every=5)
+    with pytest.raises(KeyboardInterrupt):
+        cal.fit(theta0, steps=30, progress=False)
+    assert "fit interrupted after 7 updates; saved as step 7" in capsys.readouterr().err
+    monkeypatch.setattr(_adjoint, "backward", real)
+    resumed = _rho_fit("kernel_adjoint", checkpoint_dir=tmp_path / "fit",
+                       checkpoint_every=5)[0].fit(theta0, steps=30, progress=False)
+    assert resumed.resumed_from == 7
+    straight = _rho_fit("kernel_adjoint")[0].fit(theta0, steps=30, progress=False)
+    np.testing.assert_array_equal(resumed.theta["rho"], straight.theta["rho"])
 
 
 def _erf_field(t, y, p):

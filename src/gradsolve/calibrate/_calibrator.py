@@ -380,15 +380,24 @@ class Calibrator:
             _say(bar, f"gradsolve: resumed from checkpoint step {resumed_from} in "
                       f"{self.checkpoint_dir} ({done} updates done, cap {steps})")
         try:
-            while done < steps and bool(jnp.any(state.active)):
-                new = self._step(self._maybe_refresh(state, static, K, done), static,
-                                 tol, grad_tol, cap)
-                new.history[done] = np.asarray(new.loss)
-                state, done = new, done + 1
-                _show(bar, state, B)
-                if store is not None and self.checkpoint_every and done % self.checkpoint_every == 0:
-                    store.save(done, state._asdict(), meta)
-                    saved = done
+            try:
+                while done < steps and bool(jnp.any(state.active)):
+                    new = self._step(self._maybe_refresh(state, static, K, done), static,
+                                     tol, grad_tol, cap)
+                    new.history[done] = np.asarray(new.loss)
+                    state, done = new, done + 1
+                    _show(bar, state, B)
+                    if store is not None and self.checkpoint_every \
+                            and done % self.checkpoint_every == 0:
+                        store.save(done, state._asdict(), meta)
+                        saved = done
+            except (jax.errors.JaxRuntimeError, ValueError) as err:
+                # Ctrl-C while a host callback runs (kernel_adjoint's Warp kernels)
+                # reaches here wrapped by XLA (a JaxRuntimeError, a ValueError through
+                # Equinox's jit), with the KeyboardInterrupt only in the text.
+                if not ("callback" in str(err) and "KeyboardInterrupt" in str(err)):
+                    raise
+                raise KeyboardInterrupt from err
             if store is not None and saved != done and done > 0:
                 store.save(done, state._asdict(), meta)
                 saved = done
