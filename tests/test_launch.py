@@ -1,17 +1,17 @@
 """The launch driver (`gradsolve.warp._launch`) on a small kernel of its own: the
-header it writes, outputs per trajectory, accumulators summed over launches, chunking
+header it writes, outputs per trajectory, block sums over the trajectories, chunking
 by the memory budget and a subset of rows -- against NumPy."""
 
 import numpy as np
 import pytest
 
 from gradsolve.warp import _kernels, _launch, _runtime
-from gradsolve.warp._launch import accumulator, count, output, per_trajectory, scalar, shared
+from gradsolve.warp._launch import block_sum, count, output, per_trajectory, scalar, shared
 
 
 SCALE = _launch.Signature((
     per_trajectory("x", 2), shared("w"), scalar("a"), count("m"),
-    output("y", 2), output("steps", dtype=_launch.INT32), accumulator("total", 2),
+    output("y", 2), output("steps", dtype=_launch.INT32), block_sum("total", 2),
 ))
 
 BODY = """
@@ -19,7 +19,7 @@ BODY = """
     if i < m:
         for k in range(2):
             y[i, k] = a * x[i, k] * w[k]
-            wp.atomic_add(total, k, x[i, k])
+            total[i, k] = x[i, k]
         if x[i, 0] > T(0.0):
             steps[i] = 1
 """
@@ -35,7 +35,7 @@ def test_header_is_written_from_the_signature():
     assert text.startswith("@wp.kernel(enable_backward=False)\ndef scale(")
     for piece in ("x: wp.array2d(dtype=T)", "w: wp.array(dtype=T)", "a: T", "m: int",
                   "y: wp.array2d(dtype=T)", "steps: wp.array(dtype=wp.int32)",
-                  "total: wp.array(dtype=T)"):
+                  "total: wp.array2d(dtype=T)"):
         assert piece in text
     with pytest.raises(ValueError, match="exactly one count"):
         _launch.Signature((per_trajectory("x", 2),))
@@ -43,15 +43,16 @@ def test_header_is_written_from_the_signature():
         _launch.Signature((count("m"), output("m")))
 
 
-@pytest.mark.parametrize("budget", [1 << 30, 80])  # one chunk; two trajectories a chunk (36 B each)
-def test_outputs_and_accumulators_equal_numpy(kernel, budget):
-    # Products of two float64 numbers and sums of 37 of them: the sums depend on the
+# One chunk; chunks of one block (64 trajectories of 52 bytes each: x, y, steps, total).
+@pytest.mark.parametrize("budget", [1 << 30, 64 * 52])
+def test_outputs_and_block_sums_equal_numpy(kernel, budget):
+    # Products of two float64 numbers and a sum of 150 rows: the sum depends on the
     # order of addition only in the last bits (bound 1e-14 relative); the products are
-    # exact in both. Rows 0..36 out of 50, in any chunks: the same numbers bit for bit.
+    # exact in both. Rows 0..149 out of 200, in any chunks: the same numbers bit for bit.
     rng = np.random.default_rng(0)
-    n = 50
+    n = 200
     x, w = rng.normal(size=(n, 2)), rng.normal(size=2)
-    rows = np.arange(37)
+    rows = np.arange(150)
     out = _launch.run(kernel, SCALE, dict(x=x, w=w, a=1.5), n=n, dtype=np.float64,
                       lanes=1, budget=budget, rows=rows)
     np.testing.assert_array_equal(out.y, 1.5 * x[rows] * w)
@@ -61,6 +62,7 @@ def test_outputs_and_accumulators_equal_numpy(kernel, budget):
     whole = _launch.run(kernel, SCALE, dict(x=x, w=w, a=1.5), n=n, dtype=np.float64,
                         lanes=1, budget=1 << 30, rows=rows)
     np.testing.assert_array_equal(out.y, whole.y)
+    np.testing.assert_array_equal(out.total, whole.total)
 
 
 def test_per_trajectory_inputs_must_have_n_rows(kernel):

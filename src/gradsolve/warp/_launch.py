@@ -7,8 +7,6 @@ A kernel that runs whole trajectories per thread takes, in its parameter order:
 - `scalar`s: one number for the launch (the float type `T`, or `int`);
 - `count`: the number of trajectories in this launch (the kernel guards its lanes);
 - `output`s: one row per trajectory, zero-initialised, copied back to the host;
-- `accumulator`s: one zero-initialised array per launch (per slice of the ensemble)
-  that the kernel adds into, summed over the launches in slice order on the host;
 - `block_sum`s: one row per trajectory for the kernel to write (a shared parameter's
   gradient, row i from trajectory i alone), returned summed over the trajectories:
   rows are summed in fixed blocks of `BLOCK` trajectories and the block sums in
@@ -39,7 +37,7 @@ FLOAT, INT32, INT = "float", "int32", "int"  # element types; FLOAT is the launc
 
 class Param(NamedTuple):
     """One kernel parameter. `shape` is per trajectory for inputs and outputs (the row
-    shape) and whole for accumulators; its entries are ints or names of sizes given
+    shape); its entries are ints or names of sizes given
     to `run`."""
 
     name: str
@@ -68,17 +66,13 @@ def output(name, *shape, dtype=FLOAT) -> Param:
     return Param(name, "output", shape, dtype)
 
 
-def accumulator(name, *shape, dtype=FLOAT) -> Param:
-    return Param(name, "accumulator", shape, dtype)
-
-
 def block_sum(name, *shape, dtype=FLOAT) -> Param:
     return Param(name, "block_sum", shape, dtype)
 
 
 BLOCK = 64  # trajectories per fixed summation block of a block_sum
 _ARRAY_ROLES = ("per_trajectory", "output", "block_sum")  # a leading axis over trajectories
-_RESULTS = ("output", "accumulator", "block_sum")
+_RESULTS = ("output", "block_sum")
 
 
 def _warp_type(param: Param) -> str:
@@ -93,7 +87,7 @@ def _warp_type(param: Param) -> str:
 @dataclasses.dataclass(frozen=True)
 class Signature:
     """A kernel's parameters, in order; `Outputs` is the NamedTuple `run` returns
-    (one field per output and accumulator)."""
+    (one field per output and block_sum)."""
 
     params: tuple[Param, ...]
 
@@ -150,12 +144,12 @@ def run(kernel, signature: Signature, values: dict, *, n: int, dtype, lanes: int
         lanes: trajectories per thread (a launch has `ceil(m / lanes)` threads).
         budget: bytes a chunk of trajectories may use on the device; consecutive chunks
             run one after another.
-        sizes: the values of the named entries of outputs' and accumulators' shapes.
+        sizes: the values of the named entries of outputs' and block sums' shapes.
         rows: indices of the trajectories to run.
 
     Returns:
-        `signature.Outputs`: each output `(len(rows), *shape)`, each accumulator summed
-        over the launches, each block_sum summed over the trajectories.
+        `signature.Outputs`: each output `(len(rows), *shape)`, each block_sum summed
+        over the trajectories.
     """
     wp = _runtime.warp()
     dev = _runtime.device()
@@ -173,10 +167,8 @@ def run(kernel, signature: Signature, values: dict, *, n: int, dtype, lanes: int
                  for p in signature.params if p.role == "shared"}
     outs = {p.name: np.zeros((len(rows), *_shape(p, sizes)), _host(p, dtype))
             for p in signature.params if p.role == "output"}
-    block_sums = {p.name for p in signature.params if p.role == "block_sum"}
-    # Per launch: accumulators in slice order, summed at the end in that order; per
-    # block of BLOCK trajectories: the block sums of each block_sum.
-    partial = {p.name: {} for p in signature.params if p.role in ("accumulator", "block_sum")}
+    # Per block_sum, per block of BLOCK trajectories (by its first row): the block's sum.
+    partial = {p.name: {} for p in signature.params if p.role == "block_sum"}
 
     # On the CPU, Warp arrays wrap the host memory (no copies in or out): inputs are
     # views of contiguous row ranges, outputs write straight into their NumPy rows.
@@ -208,8 +200,7 @@ def run(kernel, signature: Signature, values: dict, *, n: int, dtype, lanes: int
                 args.append(wrap(outs[p.name][a:b], p))
             else:
                 shape = _shape(p, sizes)
-                results[p.name] = wp.zeros((m, *shape) if p.role != "accumulator" else shape,
-                                           dtype=element[p.dtype], device=dev)
+                results[p.name] = wp.zeros((m, *shape), dtype=element[p.dtype], device=dev)
                 args.append(results[p.name])
         wp.launch(kernel, dim=-(-m // lanes), inputs=args, device=dev)
         wp.synchronize_device(dev)
@@ -218,17 +209,15 @@ def run(kernel, signature: Signature, values: dict, *, n: int, dtype, lanes: int
                 continue  # written in place
             if name in outs:
                 outs[name][a:b] = array.numpy()
-            elif name in block_sums:
+            else:
                 rows_ = array.numpy()
                 for k in range(0, m, BLOCK):  # a starts on a block boundary
                     partial[name][a + k] = rows_[k:k + BLOCK].sum(axis=0)
-            else:
-                partial[name][a] = array.numpy()
 
     per_row = sum(int(np.prod(host[p.name].shape[1:] if p.role == "per_trajectory"
                               else _shape(p, sizes), dtype=np.int64)) * _host(p, dtype).itemsize
                   for p in signature.params if p.role in _ARRAY_ROLES)
-    align = BLOCK if block_sums else 1
+    align = BLOCK if partial else 1
     chunk = max(align, budget // max(per_row, 1) // align * align)
     for start in range(0, len(rows), chunk):
         stop = min(len(rows), start + chunk)
