@@ -11,9 +11,8 @@ the same masking rule (a failed trajectory gives zero outputs and zero gradients
 
 Reverse mode only; Tsit5 and Rosenbrock23 (its adjoint goes through W's inverse
 transposed and the Jacobian's own VJP). The field and its VJP are translated from the
-JAX right-hand side
-(`warp/_translate.py`), so any field with a fused form that the translator accepts
-runs here, Equinox MLPs in `gs.Shared` included.
+JAX right-hand side (`warp/_translate.py`), so any field with a fused form that the
+translator accepts runs here, Equinox MLPs in `gs.Shared` included.
 """
 
 from typing import ClassVar

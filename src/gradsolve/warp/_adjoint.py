@@ -266,8 +266,8 @@ def replay_function(prob, method_name: str, ts=None):
     ts = None if ts is None else np.asarray(ts, np.dtype(prob.y0.dtype))
 
     def host_forward(h, n_steps, ok, t0, y0, *leaves):
-        run = forward(prog, np.asarray(h), np.asarray(n_steps), np.asarray(ok),
-                               float(t0), np.asarray(y0), [np.asarray(x) for x in leaves], ts)
+        run = forward(prog, np.asarray(h), np.asarray(n_steps), np.asarray(ok), float(t0),
+                      np.asarray(y0), [np.asarray(x) for x in leaves], ts)
         return run.ys, run.states, run.tgrid, run.base
 
     def forward_call(h, n_steps, ok, t0, y0, leaves):
@@ -294,8 +294,8 @@ def replay_function(prob, method_name: str, ts=None):
 
         def host_backward(states, tgrid, base, h, ok, ct, *leaves):
             run = Forward(None, np.asarray(states), np.asarray(tgrid), np.asarray(base))
-            g_y0, grads = backward(prog, run, np.asarray(h), np.asarray(ok),
-                                            np.asarray(ct), [np.asarray(x) for x in leaves], ts)
+            g_y0, grads = backward(prog, run, np.asarray(h), np.asarray(ok), np.asarray(ct),
+                                   [np.asarray(x) for x in leaves], ts)
             return (g_y0.astype(y0.dtype), *[g for g, keep in zip(grads, inexact) if keep])
 
         shapes = (jax.ShapeDtypeStruct(y0.shape, y0.dtype),
