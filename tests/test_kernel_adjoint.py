@@ -175,8 +175,24 @@ def test_bit_identical_across_runs_and_thread_counts(neural, neural_pair, monkey
             np.testing.assert_array_equal(a, b)
 
 
+def test_ffi_and_pure_callback_bridges_give_the_same_bits(neural, neural_pair, monkeypatch):
+    # On the CPU the kernels are called through XLA's FFI (in place on XLA's buffers);
+    # a GPU takes jax.pure_callback. Both run the same host functions on the same
+    # inputs: the same bits, and the trace says which bridge it used.
+    from gradsolve.warp import _jax
+    ka, _ = neural_pair
+    traced = lambda vg: str(eqx.filter_make_jaxpr(vg._call)(vg.mesh, neural.params, neural.y0)[0])
+    assert "ffi_call" in traced(ka) and "pure_callback" not in traced(ka)
+    monkeypatch.setattr(_jax, "default_bridge", lambda: "callback")
+    cb = gs.value_and_grad(neural, _loss, wrt="both", engine="kernel_adjoint", ts=TS * 2.0,
+                           mesh=ka.mesh)
+    assert "pure_callback" in traced(cb) and "ffi_call" not in traced(cb)
+    for a, b in zip(jax.tree.leaves(ka()), jax.tree.leaves(cb())):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_jit_grad_through_gs_replay_with_the_kernel_adjoint(neural, neural_pair):
-    # gs.replay(engine="kernel_adjoint") is a custom_vjp over pure callbacks: jit of
+    # gs.replay(engine="kernel_adjoint") is a custom_vjp over host calls: jit of
     # grad composes with it (Equinox's filtered versions: the parameters hold an MLP),
     # and gives what the ValueAndGrad gives: the same kernels, fed the loss's cotangent
     # from another XLA compilation (measured 4e-16 relative; bound 1e-14).

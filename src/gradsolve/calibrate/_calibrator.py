@@ -576,9 +576,13 @@ def _array_shapes(tree) -> dict:
 
 
 def _jaxpr_hash(closed) -> str:
-    """A hash of a traced function: its equations (with the printed addresses of
-    Python objects removed) and its constants' bytes."""
+    """A hash of a traced function: its equations and its constants' bytes. What
+    differs between two traces of the same function is removed: the printed addresses
+    of Python objects, and a host call's FFI target name and call id (Warp numbers
+    them in the order of tracing; `gradsolve.warp._jax` keys the call itself by what
+    it computes)."""
     text = re.sub(r" at 0x[0-9a-fA-F]+", "", str(closed.jaxpr))
+    text = re.sub(r"target_name=\S+|\('call_id', \d+\)", "", text)
     return hashlib.sha256(text.encode() + checksum(closed.consts).encode()).hexdigest()[:16]
 
 

@@ -22,6 +22,7 @@ identity, and its adjoint is too.
 """
 
 import functools
+import hashlib
 from typing import NamedTuple
 
 import jax
@@ -30,7 +31,7 @@ import numpy as np
 
 from .. import methods
 from ..status import Status
-from . import _kernels, _launch, _runtime, _steps, _translate
+from . import _jax, _kernels, _launch, _runtime, _steps, _translate
 from ._launch import INT, INT32, block_sum, count, output, per_trajectory, scalar, shared
 
 
@@ -133,6 +134,7 @@ class Program(NamedTuple):
     forward: object
     backward: object
     shared: tuple[bool, ...]  # per array leaf of the parameters (`_translate._flat`)
+    digest: str  # of the kernels' source
 
 
 def source(f_jax, params, y0, method) -> str:
@@ -201,7 +203,8 @@ def program(prob, method_name: str) -> Program:
     if text is None:
         raise _translate.UntranslatableField(why)
     fwd, bwd = _load(text)
-    return Program(fwd, bwd, tuple(sh for _, sh in _translate._flat(prob.params)))
+    return Program(fwd, bwd, tuple(sh for _, sh in _translate._flat(prob.params)),
+                   hashlib.sha256(text.encode()).hexdigest()[:20])
 
 
 class Forward(NamedTuple):
@@ -253,8 +256,8 @@ def backward(prog: Program, run: Forward, h, ok, ct, leaves, ts):
 def replay_function(prob, method_name: str, ts=None):
     """The pure function `(mesh, params, y0) -> ys` of the in-kernel adjoint: final
     states `(n, d)`, or `(n, len(ts), d)` with `ts`; a `jax.custom_vjp` whose forward
-    and backward are the two kernels, called through `jax.pure_callback` (so it works
-    under `jit` and `grad`). Failed trajectories (`mesh.status`) give exact zeros.
+    and backward are the two kernels, called as host functions (`_jax.call`: XLA's FFI
+    on the CPU; so it works under `jit` and `grad`). Failed trajectories (`mesh.status`) give exact zeros.
 
     Raises:
         ValueError: the field or its VJP cannot be translated (naming the primitive).
@@ -264,11 +267,18 @@ def replay_function(prob, method_name: str, ts=None):
     except _translate.UntranslatableField as err:
         raise ValueError(f"engine 'kernel_adjoint' cannot serve this problem: {err}") from None
     ts = None if ts is None else np.asarray(ts, np.dtype(prob.y0.dtype))
+    # What the host calls compute: the kernels, the output times, the leaves' types.
+    name = (f"kernel_adjoint:{prog.digest}:"
+            f"{'' if ts is None else hashlib.sha256(ts.tobytes()).hexdigest()[:20]}")
 
     def host_forward(h, n_steps, ok, t0, y0, *leaves):
-        run = forward(prog, np.asarray(h), np.asarray(n_steps), np.asarray(ok), float(t0),
-                      np.asarray(y0), [np.asarray(x) for x in leaves], ts)
+        run = forward(prog, h, n_steps, ok, float(t0), y0, list(leaves), ts)
         return run.ys, run.states, run.tgrid, run.base
+
+    def host_backward(states, tgrid, base, h, ok, ct, *leaves):
+        g_y0, grads = backward(prog, Forward(None, states, tgrid, base), h, ok, ct,
+                               list(leaves), ts)
+        return (g_y0, *[g for g in grads if jnp.issubdtype(g.dtype, jnp.inexact)])
 
     def forward_call(h, n_steps, ok, t0, y0, leaves):
         n, d = y0.shape
@@ -278,7 +288,8 @@ def replay_function(prob, method_name: str, ts=None):
                   jax.ShapeDtypeStruct((n, points, d), y0.dtype),
                   jax.ShapeDtypeStruct((n, points), y0.dtype),
                   jax.ShapeDtypeStruct((n, max(n_ts, 1)), jnp.int32))
-        return jax.pure_callback(host_forward, shapes, h, n_steps, ok, t0, y0, *leaves)
+        return _jax.call(host_forward, shapes, h, n_steps, ok, t0, y0, *leaves,
+                         name=name + ":forward")
 
     @jax.custom_vjp
     def run(h, n_steps, ok, t0, y0, *leaves):
@@ -291,18 +302,11 @@ def replay_function(prob, method_name: str, ts=None):
     def run_bwd(res, ct):
         h, n_steps, ok, t0, y0, leaves, states, tgrid, base = res
         inexact = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
-
-        def host_backward(states, tgrid, base, h, ok, ct, *leaves):
-            run = Forward(None, np.asarray(states), np.asarray(tgrid), np.asarray(base))
-            g_y0, grads = backward(prog, run, np.asarray(h), np.asarray(ok), np.asarray(ct),
-                                   [np.asarray(x) for x in leaves], ts)
-            return (g_y0.astype(y0.dtype), *[g for g, keep in zip(grads, inexact) if keep])
-
         shapes = (jax.ShapeDtypeStruct(y0.shape, y0.dtype),
                   *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x, keep in zip(leaves, inexact)
                     if keep])
-        g_y0, *grads = jax.pure_callback(host_backward, shapes, states, tgrid, base, h, ok,
-                                         ct, *leaves)
+        g_y0, *grads = _jax.call(host_backward, shapes, states, tgrid, base, h, ok, ct,
+                                 *leaves, name=name + ":backward")
         grads = iter(grads)
         float0 = lambda x: np.zeros(x.shape, jax.dtypes.float0)
         g_leaves = [next(grads) if keep else float0(x) for x, keep in zip(leaves, inexact)]
@@ -318,5 +322,5 @@ def replay_function(prob, method_name: str, ts=None):
         h = jnp.where(ok[:, None], jax.lax.stop_gradient(mesh.h).astype(y0.dtype), 0)
         n_steps = jnp.where(ok, mesh.n_steps, 0).astype(jnp.int32)
         t0 = jax.lax.stop_gradient(mesh.t0).astype(y0.dtype)
-        return run(h, n_steps, ok, t0, y0, *leaves)
+        return run(h, n_steps, ok.astype(jnp.int32), t0, y0, *leaves)
     return ys_fn

@@ -611,7 +611,7 @@ def unpack_leaves(P, S, leaves, shared):
             part, index = S[index:index + size], index + size
         else:
             part, column = P[:, column:column + size], column + size
-        out.append(np.asarray(part, np.result_type(x)).reshape(np.shape(x)))
+        out.append(np.asarray(part, np.asarray(x).dtype).reshape(np.shape(x)))
     return out
 
 

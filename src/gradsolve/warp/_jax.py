@@ -1,0 +1,110 @@
+"""Host functions that launch Warp kernels, called from inside JAX programs.
+
+The one module that uses Warp's JAX interop (`wp.jax_callable`, marked experimental
+by Warp). `call(fn, results, *args)` has `jax.pure_callback`'s contract: `fn` takes
+NumPy arrays and returns a tuple of NumPy arrays with the shapes and dtypes that
+`results` lists (`jax.ShapeDtypeStruct`s); XLA treats the call as pure, and it
+works under `jit` and inside a `jax.custom_vjp`.
+
+On the CPU the call goes through XLA's FFI: `fn` reads XLA's input buffers in place
+(Warp arrays wrapping their pointers, seen as NumPy views) and its results are
+copied into XLA's output buffers. `jax.pure_callback` costs ~110 us more per call
+and a `device_put` of every result: the Lorenz gradient through it took 0.5-5 ms
+longer, n = 8 to 8192 (benchmarks/kernel_adjoint.py, column "ka via pure_callback").
+Elsewhere (a GPU, where `fn` copies to and from the device itself) it is
+`jax.pure_callback`: Warp's FFI would hand `fn` device buffers, which the host
+functions here do not take.
+"""
+
+import functools
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _runtime
+
+
+_FUNCTIONS: dict = {}  # key -> (host function, argument shapes) of the latest trace
+
+
+def call(fn, results, *args, name: str, bridge: str | None = None):
+    """`fn(*args)` as NumPy arrays, its results as JAX arrays of the `results` types.
+
+    Args:
+        fn: host function; returns one array per entry of `results`.
+        results: sequence of `jax.ShapeDtypeStruct`.
+        args: JAX arrays (no bools: pass them as integers).
+        name: what `fn` computes; calls with the same name must compute the same
+            function. A hash of it is the call's key in the traced program, so a trace
+            is the same in every process (the Calibrator's checkpoint fingerprint
+            hashes the traced loss).
+        bridge: `"ffi"` or `"callback"`; default: `default_bridge()`.
+    """
+    results = tuple(results)
+    bridge = bridge or default_bridge()
+    if bridge == "callback":
+        return jax.pure_callback(fn, results, *args)
+    if bridge != "ffi":
+        raise ValueError(f"bridge must be 'ffi' or 'callback', got {bridge!r}")
+    key = int(hashlib.sha256(name.encode()).hexdigest()[:15], 16)  # fits an int64
+    _FUNCTIONS[key] = fn, [np.shape(a) for a in args]
+    # Warp arrays have at least one axis: scalars travel as one-element arrays.
+    args = [jnp.reshape(a, (1,)) if np.ndim(a) == 0 else a for a in args]
+    target = _target(tuple((np.ndim(a), np.dtype(a.dtype).name) for a in args),
+                     tuple((len(r.shape), np.dtype(r.dtype).name) for r in results))
+    out = target(key, *args,
+                 output_dims={f"r{k}": r.shape or (1,) for k, r in enumerate(results)})
+    return tuple(jnp.reshape(o, r.shape) for o, r in zip(out, results))
+
+
+def default_bridge() -> str:
+    """`"ffi"` on the CPU, else `"callback"`."""
+    return "ffi" if _runtime.device() == "cpu" else "callback"
+
+
+def _run(key, args, outs):
+    """The body of every FFI target: run the host function on views of XLA's buffers
+    and copy its results into XLA's output buffers."""
+    fn, shapes = _FUNCTIONS[key]
+    try:
+        values = fn(*[a.numpy().reshape(shape) for a, shape in zip(args, shapes)])
+    except Exception:
+        raise  # Warp returns it to XLA as the call's error
+    except BaseException as err:
+        # A Ctrl-C here would escape the ctypes callback, be printed and dropped, and
+        # XLA would take the unwritten outputs as the result: an Exception reaches JAX
+        # as an error naming the KeyboardInterrupt (the Calibrator saves on it).
+        raise RuntimeError(f"{type(err).__name__} in a host callback") from err
+    for out, value in zip(outs, values, strict=True):
+        if out.size:
+            out.numpy().reshape(np.shape(value))[...] = value
+
+
+@functools.cache
+def _target(args: tuple, results: tuple):
+    """A `wp.jax_callable` for arguments and results of these (ndim, dtype)s: a Python
+    function whose parameters carry the Warp array annotations jax_callable reads."""
+    wp = _runtime.warp()
+    element = {"float64": wp.float64, "float32": wp.float32, "int32": wp.int32,
+               "int64": wp.int64}
+
+    def annotation(ndim, dtype):
+        if dtype not in element:
+            raise TypeError(f"no Warp array type for dtype {dtype}")
+        return wp.array(dtype=element[dtype], ndim=max(ndim, 1))
+
+    names = [f"a{k}" for k in range(len(args))]
+    outs = [f"r{k}" for k in range(len(results))]
+    text = (f"def target(key, {', '.join(names + outs)}):\n"
+            f"    _run(key, ({''.join(x + ', ' for x in names)}), "
+            f"({''.join(x + ', ' for x in outs)}))\n")
+    scope = {"_run": _run, "__name__": __name__}
+    exec(text, scope)  # noqa: S102 - parameter names for jax_callable to read
+    target = scope["target"]
+    target.__annotations__ = {"key": int,
+                              **{x: annotation(*a) for x, a in zip(names, args)},
+                              **{x: annotation(*r) for x, r in zip(outs, results)}}
+    return wp.jax_callable(target, num_outputs=len(results),
+                           graph_mode=wp.JaxCallableGraphMode.NONE, vmap_method=None)
