@@ -10,7 +10,7 @@ from gradsolve.engines import Request
 NOT_FUSED = "f_jax has no fused form (gs.register_field translates one)"
 
 
-SMALL = "n = 0 < 1024: the JAX replay is faster below that here (tsit5)"
+SMALL = "n = 0 < 256: the JAX replay is faster below that here (tsit5)"
 KA_METHODS = "the in-kernel adjoint runs ('tsit5', 'rosenbrock23')"
 NO_JACOBIAN = "the field has no hand-written Jacobian for the stiff fused kernel"
 
@@ -24,11 +24,11 @@ def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False, rtol
 @pytest.mark.parametrize("request_,engine,expected,method,passed", [
     # gradient, registered field with d <= 64 -> fused_replay (Tsit5 / Rosenbrock23)
     (R(True, fused=True), None, "fused_replay", "tsit5", {"kernel_adjoint": SMALL}),
-    # ... Rosenbrock23 in Warp (faster at every n measured), Tsit5 from 1024 trajectories
+    # ... Rosenbrock23 in Warp (faster at every n measured), Tsit5 from 256 trajectories
     (R(True, stiff=True, fused=True, jacobian=True), None, "kernel_adjoint", "rosenbrock23", {}),
     # ... but not for MLP fields on the CPU
-    (R(True, fused=True, n=1024), None, "kernel_adjoint", "tsit5", {}),
-    (R(True, fused=True, n=1024, shared_module=True), None, "fused_replay", "tsit5",
+    (R(True, fused=True, n=256), None, "kernel_adjoint", "tsit5", {}),
+    (R(True, fused=True, n=256, shared_module=True), None, "fused_replay", "tsit5",
      {"kernel_adjoint": "an Equinox module in the field: on the CPU the JAX replay's "
                         "batched matrix products are faster (benchmarks/kernel_adjoint.py)"}),
     # ... beyond the cutoff (8 on the cpu device), or a method the kernels do not run

@@ -3,8 +3,8 @@
 The replay runs in Warp instead of JAX: a forward kernel over the recorded mesh that
 stores one state per mesh point, and a backward kernel that recomputes each step's
 stages from it and applies the step's vector-Jacobian product (`warp/_adjoint.py`).
-The pair enters JAX as one `jax.custom_vjp` around two `jax.pure_callback`s
-(`_adjoint.replay_function`, also `gs.replay(..., engine="kernel_adjoint")`), so it
+The pair enters JAX as one `jax.custom_vjp` around two host calls (`warp/_jax.py`:
+XLA's FFI on the CPU, `jax.pure_callback` elsewhere; `_adjoint.replay_function`, also `gs.replay(..., engine="kernel_adjoint")`), so it
 works inside `jit` and under `jax.grad` like the JAX replay -- the same convention
 (the exact derivative of the replay on the recorded mesh, step sizes held fixed) and
 the same masking rule (a failed trajectory gives zero outputs and zero gradients).
@@ -24,11 +24,12 @@ from .fused_replay import FusedReplay
 # The ensemble size from which the router prefers the in-kernel adjoint to the JAX
 # replay of the same mesh, per Warp device and method (None: by name only). Measured
 # on the 2-core CPU (benchmarks/kernel_adjoint.py): Tsit5 on Lorenz is slower than
-# fused_replay at n = 128 (the fixed costs of two launches and two callbacks) and 2-3x
-# faster from n = 1024; Rosenbrock23 is faster at every size measured (Robertson and
-# HIRES, n = 8 to 1024: 1.2-9.5x over two runs), the JAX replay's batched LU solves
-# being the slow part there. Not measured on a GPU yet.
-MIN_N = {"cpu": {"tsit5": 1024, "rosenbrock23": 0}, "cuda": None}
+# fused_replay at n = 8 and 32 (the fixed costs of two launches and two host calls,
+# ~0.5 ms), 1.05-1.5x faster at n = 128 over two runs, 1.2x at 256, 3-3.5x from 1024;
+# Rosenbrock23 is faster at every size measured (Robertson and HIRES, n = 8 to 1024:
+# 1.2-9.5x over two runs), the JAX replay's batched LU solves being the slow part
+# there. Not measured on a GPU yet.
+MIN_N = {"cpu": {"tsit5": 256, "rosenbrock23": 0}, "cuda": None}
 
 
 class KernelAdjoint(FusedReplay):
