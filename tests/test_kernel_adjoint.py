@@ -191,6 +191,21 @@ def test_ffi_and_pure_callback_bridges_give_the_same_bits(neural, neural_pair, m
         np.testing.assert_array_equal(a, b)
 
 
+def test_vmap_of_the_replay_gradient_is_one_call_per_element(neural, neural_pair):
+    # Under vmap each host call runs once per batch element (vmap_method
+    # "sequential"): the batched gradients are the unbatched ones, bit for bit.
+    ka, _ = neural_pair
+
+    def grad_k(scale):
+        p = dict(neural.params, k=neural.params["k"] * scale)
+        return jax.grad(lambda k: jnp.sum(gs.replay(
+            neural, ka.mesh, params=dict(p, k=k), engine="kernel_adjoint") ** 2))(p["k"])
+    scales = jnp.array([1.0, 1.5])
+    batched = eqx.filter_jit(jax.vmap(grad_k))(scales)
+    for row, scale in zip(batched, scales):
+        np.testing.assert_array_equal(row, eqx.filter_jit(grad_k)(scale))
+
+
 def test_jit_grad_through_gs_replay_with_the_kernel_adjoint(neural, neural_pair):
     # gs.replay(engine="kernel_adjoint") is a custom_vjp over host calls: jit of
     # grad composes with it (Equinox's filtered versions: the parameters hold an MLP),

@@ -4,7 +4,8 @@ The one module that uses Warp's JAX interop (`wp.jax_callable`, marked experimen
 by Warp). `call(fn, results, *args)` has `jax.pure_callback`'s contract: `fn` takes
 NumPy arrays and returns a tuple of NumPy arrays with the shapes and dtypes that
 `results` lists (`jax.ShapeDtypeStruct`s); XLA treats the call as pure, and it
-works under `jit` and inside a `jax.custom_vjp`.
+works under `jit`, inside a `jax.custom_vjp`, and under `vmap` (one call per batch
+element).
 
 On the CPU the call goes through XLA's FFI: `fn` reads XLA's input buffers in place
 (Warp arrays wrapping their pointers, seen as NumPy views) and its results are
@@ -45,7 +46,7 @@ def call(fn, results, *args, name: str, bridge: str | None = None):
     results = tuple(results)
     bridge = bridge or default_bridge()
     if bridge == "callback":
-        return jax.pure_callback(fn, results, *args)
+        return jax.pure_callback(fn, results, *args, vmap_method="sequential")
     if bridge != "ffi":
         raise ValueError(f"bridge must be 'ffi' or 'callback', got {bridge!r}")
     key = int(hashlib.sha256(name.encode()).hexdigest()[:15], 16)  # fits an int64
@@ -107,4 +108,4 @@ def _target(args: tuple, results: tuple):
                               **{x: annotation(*a) for x, a in zip(names, args)},
                               **{x: annotation(*r) for x, r in zip(outs, results)}}
     return wp.jax_callable(target, num_outputs=len(results),
-                           graph_mode=wp.JaxCallableGraphMode.NONE, vmap_method=None)
+                           graph_mode=wp.JaxCallableGraphMode.NONE, vmap_method="sequential")
