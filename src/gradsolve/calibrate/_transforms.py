@@ -5,6 +5,8 @@ A transform is a pair of elementwise maps, `forward(u) -> theta` and
 """
 
 import abc
+import math
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -33,25 +35,31 @@ class Identity(Transform):
         return theta
 
 
-class Positive(Transform):
-    """`theta = exp(u)`: rates across decades take equal-sized steps in `u`.
+def _squash(u, lo, hi):
+    """`lo + (hi - lo) * sigmoid(u)`: the real line onto `(lo, hi)`."""
+    return lo + (hi - lo) * jax.nn.sigmoid(u)
 
-    Examples:
-        >>> import jax.numpy as jnp, gradsolve as gs
-        >>> t = gs.transforms.Positive()
-        >>> round(float(t.forward(t.inverse(jnp.array(0.04)))), 12)
-        0.04
-    """
 
-    def forward(self, u):
-        return jnp.exp(u)
+def _unsquash(z, lo, hi):
+    """The inverse of `_squash` (the logit of z's position in `(lo, hi)`)."""
+    x = (z - lo) / (hi - lo)
+    return jnp.log(x) - jnp.log1p(-x)
 
-    def inverse(self, theta):
-        return jnp.log(theta)
+
+def _check_bounds(name, lo, hi, positive=False):
+    if (lo is None) != (hi is None):
+        raise ValueError(f"{name} takes both bounds or neither, got lo={lo}, hi={hi}")
+    if lo is None:
+        return
+    if not hi > lo:
+        raise ValueError(f"{name} needs hi > lo, got lo={lo}, hi={hi}")
+    if positive and not lo > 0:
+        raise ValueError(f"{name} bounds are on a log scale and must be > 0, got lo={lo}")
 
 
 class Bounded(Transform):
-    """`theta = lo + (hi - lo) * sigmoid(u)`: stays strictly inside `(lo, hi)`.
+    """PEtab's `lin` scale with bounds: `theta = lo + (hi - lo) * sigmoid(u)`, strictly
+    inside `(lo, hi)`. The optimizer sees the logit of theta's position in the interval.
 
     Examples:
         >>> import jax.numpy as jnp, gradsolve as gs
@@ -64,15 +72,80 @@ class Bounded(Transform):
     hi: float
 
     def __check_init__(self):
-        if not self.hi > self.lo:
-            raise ValueError(f"Bounded needs hi > lo, got lo={self.lo}, hi={self.hi}")
+        _check_bounds("Bounded", self.lo, self.hi)
 
     def forward(self, u):
-        return self.lo + (self.hi - self.lo) * jax.nn.sigmoid(u)
+        return _squash(u, self.lo, self.hi)
 
     def inverse(self, theta):
-        x = (theta - self.lo) / (self.hi - self.lo)
-        return jnp.log(x) - jnp.log1p(-x)
+        return _unsquash(theta, self.lo, self.hi)
+
+
+class Log(Transform):
+    """PEtab's `log` scale: the optimizer sees `u = ln(theta)`, so rates across decades
+    take equal-sized steps. With bounds `lo < theta < hi` (in theta's own units, as
+    PEtab's lowerBound and upperBound), `ln(theta)` is squashed into `(ln lo, ln hi)`
+    and the optimizer sees the logit of its position there.
+
+    Examples:
+        >>> import jax.numpy as jnp, gradsolve as gs
+        >>> t = gs.transforms.Log()
+        >>> round(float(t.inverse(jnp.array(jnp.e))), 12)
+        1.0
+        >>> t = gs.transforms.Log(1e-3, 1e3)       # bounded: u = 0 is the geometric middle
+        >>> round(float(t.forward(jnp.array(0.0))), 9)
+        1.0
+    """
+
+    lo: float | None = None
+    hi: float | None = None
+    base: ClassVar[float] = math.e
+
+    def __check_init__(self):
+        _check_bounds(type(self).__name__, self.lo, self.hi, positive=True)
+
+    def _log(self, x):
+        return jnp.log(x) / math.log(self.base)
+
+    def forward(self, u):
+        if self.lo is not None:
+            u = _squash(u, math.log(self.lo, self.base), math.log(self.hi, self.base))
+        return jnp.power(self.base, u)
+
+    def inverse(self, theta):
+        z = self._log(theta)
+        if self.lo is None:
+            return z
+        return _unsquash(z, math.log(self.lo, self.base), math.log(self.hi, self.base))
+
+
+class Log10(Log):
+    """PEtab's `log10` scale: the optimizer sees `u = log10(theta)` (with bounds, the
+    logit of `log10(theta)`'s position in `(log10 lo, log10 hi)`).
+
+    Examples:
+        >>> import jax.numpy as jnp, gradsolve as gs
+        >>> round(float(gs.transforms.Log10().inverse(jnp.array(1000.0))), 12)
+        3.0
+    """
+
+    base: ClassVar[float] = 10.0
+
+
+class Positive(Log):
+    """`theta = exp(u)`: the map of `Log()` without bounds, under the name of the
+    constraint it keeps.
+
+    Examples:
+        >>> import jax.numpy as jnp, gradsolve as gs
+        >>> t = gs.transforms.Positive()
+        >>> round(float(t.forward(t.inverse(jnp.array(0.04)))), 12)
+        0.04
+    """
+
+    def __check_init__(self):
+        if self.lo is not None or self.hi is not None:
+            raise ValueError("Positive takes no bounds; use gs.transforms.Log(lo, hi)")
 
 
 def _is_transform(x):
