@@ -94,6 +94,9 @@ class Calibrator:
             None)`.
         to_params: `theta_b -> per-trajectory params of fit b's K trajectories` (leaves
             leading with K). Default: `theta_b` broadcast to K.
+        to_y0: `theta_b -> (K, d)` initial states of fit b's trajectories, when they
+            are estimated too (the gradient flows through y0 as through the
+            parameters). Default: the problem's y0.
         data: a pytree whose leaves lead with B (observations per fit), or None.
         optimizer: an `optax.GradientTransformation` (default `optax.adam(1e-2)`), run
             per fit under `vmap`.
@@ -131,7 +134,7 @@ class Calibrator:
     """
 
     def __init__(self, prob, loss, to_params=None, data=None, optimizer=None, *,
-                 transform=None, rtol=1e-6, atol=1e-9, method=None, ts=None,
+                 to_y0=None, transform=None, rtol=1e-6, atol=1e-9, method=None, ts=None,
                  max_steps=DEFAULT_MAX_STEPS, dt0=None, remat=None, engine=None,
                  recorder=None, refresh_every=None, drift_every=None, drift_tol=None,
                  checkpoint_dir=None, checkpoint_every=None):
@@ -140,6 +143,8 @@ class Calibrator:
             raise TypeError("loss must be callable as loss(ys_b, theta_b, data_b)")
         if to_params is not None and not callable(to_params):
             raise TypeError("to_params must be callable as to_params(theta_b)")
+        if to_y0 is not None and not callable(to_y0):
+            raise TypeError("to_y0 must be callable as to_y0(theta_b) -> (K, d)")
         optimizer = optax.adam(1e-2) if optimizer is None else optimizer
         if not (callable(getattr(optimizer, "init", None))
                 and callable(getattr(optimizer, "update", None))):
@@ -164,7 +169,7 @@ class Calibrator:
                     "checkpoint_dir without checkpoint_every: the fit is saved only when "
                     "it ends or is interrupted (Ctrl-C), so a crash loses all its work; "
                     "pass checkpoint_every=N to save every N updates", stacklevel=2)
-        self.loss, self.to_params, self.data = loss, to_params, data
+        self.loss, self.to_params, self.to_y0, self.data = loss, to_params, to_y0, data
         self.optimizer, self.transform = optimizer, transform
         self._engine, self.passed_over, self.config = plan(
             self.problem, gradient=True, engine=engine, method=method, rtol=rtol, atol=atol,
@@ -200,9 +205,15 @@ class Calibrator:
             return x.reshape((-1,) + x.shape[2:]) if eqx.is_array(x) else x
         return jax.tree.map(merge, per_fit, is_leaf=lambda v: isinstance(v, Shared))
 
+    def _full_y0(self, theta):
+        """The ensemble's initial states: the problem's, or `to_y0` of each fit."""
+        if self.to_y0 is None:
+            return self.problem.y0
+        return eqx.filter_vmap(self.to_y0)(theta).reshape(self.problem.y0.shape)
+
     def _losses(self, u, static, mesh, data, K):
         theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
-        ys = self._ys(mesh, self._full_params(theta, K), self.problem.y0)
+        ys = self._ys(mesh, self._full_params(theta, K), self._full_y0(theta))
         ys_b = ys.reshape((-1, K) + ys.shape[1:])
         batched = eqx.if_array(0)
         axes = (batched, batched, None if data is None else batched)
@@ -249,7 +260,8 @@ class Calibrator:
             return None, None
         theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
         mesh = self._engine.record(self.problem, self.config,
-                                   params=self._full_params(theta, K))
+                                   params=self._full_params(theta, K),
+                                   y0=self._full_y0(theta))
         ok = np.asarray(mesh.status).reshape(-1, K) == Status.SUCCESS
         return mesh.widened(width), ok.all(axis=1)
 
@@ -261,9 +273,9 @@ class Calibrator:
 
     def _drift(self, mesh, fresh, u, static, K):
         theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
-        params = self._full_params(theta, K)
-        old = self._ys(mesh, params, self.problem.y0)
-        new = self._ys(fresh, params, self.problem.y0)
+        params, y0 = self._full_params(theta, K), self._full_y0(theta)
+        old = self._ys(mesh, params, y0)
+        new = self._ys(fresh, params, y0)
         return float(jnp.max(jnp.linalg.norm((old - new).reshape(old.shape[0], -1), axis=1)
                              / jnp.linalg.norm(new.reshape(new.shape[0], -1), axis=1)))
 
@@ -465,7 +477,26 @@ class Calibrator:
                                      f"B={B}, got shape {np.shape(x)}")
         _transforms.check(self.transform, theta0)
         self._check_to_params(theta0, n // B)
+        self._check_to_y0(theta0, n // B)
         return B, n // B
+
+    def _check_to_y0(self, theta0, K):
+        """`to_y0` on fit 0's theta, traced abstractly: `(K, d)` in the problem's dtype."""
+        if self.to_y0 is None:
+            return
+        theta_b = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
+        try:
+            got = eqx.filter_eval_shape(self.to_y0, theta_b)
+        except Exception as e:
+            raise TypeError(f"to_y0(theta_b) failed on fit 0's theta: {type(e).__name__}: "
+                            f"{e}") from e
+        want = (K, self.problem.d)
+        dtype = self.problem.y0.dtype
+        if not isinstance(got, jax.ShapeDtypeStruct) or got.shape != want or got.dtype != dtype:
+            what = (f"{np.dtype(got.dtype).name}{list(got.shape)}"
+                    if isinstance(got, jax.ShapeDtypeStruct) else type(got).__name__)
+            raise ValueError(f"to_y0(theta_b) must give the K={K} initial states of one fit, "
+                             f"{np.dtype(dtype).name}{list(want)}; got {what}")
 
     def _check_to_params(self, theta0, K):
         """`to_params` on fit 0's theta, traced abstractly: every parameter the problem
@@ -587,7 +618,7 @@ def _jaxpr_hash(closed) -> str:
 
 
 _FINGERPRINT_NAMES = {
-    "loss": "the traced loss (loss, f_jax, to_params or transform)",
+    "loss": "the traced loss (loss, f_jax, to_params, to_y0 or transform)",
     "optimizer": "the optimizer (its kind or its constants, e.g. the learning rate)",
     "data": "the data", "theta0": "theta0", "y0": "the problem's y0"}
 
