@@ -2,7 +2,7 @@
 
 from . import engines as engines, methods as methods, problems as problems
 from .calibrate import Calibrator as Calibrator, FitResult as FitResult, FitStatus as FitStatus
-from .calibrate import transforms as transforms
+from .calibrate import multistart as multistart, transforms as transforms
 from .engines import Engine as Engine, engine_names as engine_names
 from .warp._registry import register_field as register_field
 from .grad import value_and_grad as value_and_grad, ValueAndGrad as ValueAndGrad

@@ -1,8 +1,12 @@
 """What `Calibrator.fit` returns."""
 
 import dataclasses
-from typing import Any
+import json
+import os
+import pathlib
+from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import numpy as np
 
@@ -10,6 +14,17 @@ import numpy as np
 def _name(path) -> str:
     """`['rho']` -> `rho`, `[0]` -> `0`: leaf paths as column labels."""
     return jax.tree_util.keystr(path).replace("']['", ".").strip("[]'") or "theta"
+
+
+class Best(NamedTuple):
+    """The fit with the lowest final loss: its index, parameters and loss."""
+
+    index: int
+    theta: Any
+    loss: float
+
+
+_FIELDS = ("loss", "converged", "status", "steps", "history", "grad_norm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +78,78 @@ class FitResult:
             status_names=tuple(statuses(int(s)).name.lower() for s in status),
             state=state, resumed_from=resumed_from)
 
+    def best(self) -> Best:
+        """The fit with the lowest finite final loss (of the starts of a multistart).
+
+        Raises:
+            ValueError: no fit has a finite loss.
+        """
+        loss = np.where(np.isfinite(self.loss), self.loss, np.inf)
+        if not np.isfinite(loss).any():
+            raise ValueError("no fit has a finite loss")
+        b = int(np.argmin(loss))
+        theta = jax.tree.map(lambda x: x[b] if eqx.is_array(x) or isinstance(x, np.ndarray)
+                             else x, self.theta)
+        return Best(b, theta, float(self.loss[b]))
+
+    def save(self, path):
+        """Write the result to `path` (an `.npz`): every fit's parameters, loss,
+        history, status and steps, for `FitResult.load` later (the optimizer state and
+        mesh are not kept: resuming a fit is what checkpoints are for)."""
+        leaves = [(jax.tree_util.keystr(p), np.asarray(x)) for p, x in
+                  jax.tree_util.tree_leaves_with_path(self.theta)
+                  if eqx.is_array(x) or isinstance(x, np.ndarray)]
+        meta = {"theta": [k for k, _ in leaves], "refreshes": self.refreshes,
+                "drift": {str(k): v for k, v in self.drift.items()}, "engine": self.engine,
+                "updates": self.updates, "status_names": list(self.status_names),
+                "resumed_from": self.resumed_from}
+        path = pathlib.Path(path)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp.npz")
+        np.savez(tmp, meta=np.asarray(json.dumps(meta)),
+                 **{f: np.asarray(getattr(self, f)) for f in _FIELDS},
+                 **{f"theta{i}": x for i, (_, x) in enumerate(leaves)})
+        tmp.replace(path)  # a crash mid-write leaves the previous file whole
+
+    @classmethod
+    def load(cls, path, like=None) -> "FitResult":
+        """Read a result `save` wrote. `theta` takes `like`'s structure (a theta0 of
+        the same fit, for instance) if given, else it is a dict by leaf path.
+
+        Examples:
+            >>> import tempfile, jax.numpy as jnp, gradsolve as gs
+            >>> res = gs.FitResult(theta={"k": jnp.array([0.5, 2.0])}, loss=jnp.array([1e-9, 3.0]),
+            ...                    converged=jnp.array([True, False]), status=jnp.array([1, 2]),
+            ...                    steps=jnp.array([40, 100]), history=jnp.zeros((100, 2)),
+            ...                    grad_norm=jnp.zeros(2), refreshes=0, drift={}, engine="e",
+            ...                    updates=100)
+            >>> path = tempfile.mkdtemp() + "/fit.npz"
+            >>> res.save(path)
+            >>> back = gs.FitResult.load(path, like={"k": jnp.ones(2)})
+            >>> back.best().index, float(back.best().theta["k"])
+            (0, 0.5)
+        """
+        with np.load(path) as f:
+            meta = json.loads(str(f["meta"]))
+            arrays = {k: f[k] for k in f.files}
+        leaves = [arrays[f"theta{i}"] for i in range(len(meta["theta"]))]
+        if like is None:
+            theta = dict(zip(meta["theta"], leaves))
+        else:
+            dynamic, static = eqx.partition(like, lambda x: eqx.is_array(x)
+                                            or isinstance(x, np.ndarray))
+            paths = [jax.tree_util.keystr(p) for p, _ in
+                     jax.tree_util.tree_leaves_with_path(dynamic)]
+            if paths != meta["theta"]:
+                raise ValueError(f"like has array leaves {paths}, the saved theta "
+                                 f"{meta['theta']}")
+            theta = eqx.combine(jax.tree.unflatten(jax.tree.structure(dynamic), leaves),
+                                static)
+        return cls(theta=theta, **{k: arrays[k] for k in _FIELDS},
+                   refreshes=meta["refreshes"], engine=meta["engine"],
+                   drift={int(k): v for k, v in meta["drift"].items()},
+                   updates=meta["updates"], status_names=tuple(meta["status_names"]),
+                   resumed_from=meta["resumed_from"])
+
     def table(self, true=None, names=None) -> str:
         """A recovered-vs-true table of the scalar-per-fit leaves of theta."""
         leaves = jax.tree_util.tree_leaves_with_path(self.theta)
@@ -87,13 +174,35 @@ class FitResult:
                          f" {self.loss[b]:10.3g} {self.steps[b]:6d}  {self.status_names[b]}")
         return "\n".join(lines)
 
-    def plot(self, true=None, path=None):
-        """Loss histories and (with `true`) recovered vs true parameters; saves to
+    def plot(self, true=None, path=None, kind="history"):
+        """Loss histories and (with `true`) recovered vs true parameters, or with
+        `kind="waterfall"` the final losses sorted (a multistart's waterfall: a flat
+        run of starts at the lowest loss is an optimum found repeatedly); saves to
         `path` if given and returns the matplotlib figure."""
+        if kind not in ("history", "waterfall"):
+            raise ValueError(f"kind must be 'history' or 'waterfall', got {kind!r}")
         import matplotlib  # optional (the `plot` extra): imported when a plot is asked for
         if path is not None:
             matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # after use("Agg"), which must come first
+        if kind == "waterfall":
+            loss = np.asarray(self.loss, float)
+            order = np.argsort(np.where(np.isfinite(loss), loss, np.inf))
+            fig, ax = plt.subplots(figsize=(5.5, 4))
+            ax.plot(np.arange(1, len(loss) + 1), loss[order], "o-", ms=4)
+            done = np.asarray(self.converged)[order]
+            ax.plot(np.flatnonzero(done) + 1, loss[order][done], "o", ms=4, label="converged")
+            finite = loss[np.isfinite(loss)]
+            if finite.size and (finite > 0).all():
+                ax.set_yscale("log")
+            ax.set_xlabel("start, sorted by final loss")
+            ax.set_ylabel("final loss")
+            ax.set_title(f"{len(loss)} starts ({self.engine})")
+            ax.legend()
+            fig.tight_layout()
+            if path is not None:
+                fig.savefig(path, dpi=120)
+            return fig
         ncols = 2 if true is not None else 1
         fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 4), squeeze=False)
         ax = axes[0, 0]
