@@ -10,7 +10,8 @@ MODULES = ["gradsolve.problem", "gradsolve.mesh", "gradsolve.record", "gradsolve
            "gradsolve.grad", "gradsolve.solve", "gradsolve.router", "gradsolve.status",
            "gradsolve.methods._tableau", "gradsolve.fields._systems", "gradsolve.fields._neural",
            "gradsolve.warp._registry",
-           "gradsolve.calibrate._calibrator", "gradsolve.calibrate._transforms"]
+           "gradsolve.calibrate._calibrator", "gradsolve.calibrate._transforms",
+           "gradsolve.calibrate._multistart", "gradsolve.calibrate._result"]
 
 
 @pytest.mark.parametrize("name", MODULES)

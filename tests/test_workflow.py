@@ -1,0 +1,163 @@
+"""The calibration workflow: initial states as parameters, multistart designs and
+the best of many starts, parameter scales, stored results. References: known true
+initial states, SciPy least squares on the same residuals (closed-form model), the
+stratification that defines Sobol and Latin-hypercube designs, closed-form maps."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from scipy.optimize import least_squares
+
+import gradsolve as gs
+
+
+TS = jnp.linspace(0.25, 2.0, 8)
+
+
+def _decay():
+    """`y' = -k y`: observed at TS, closed form `a exp(-k t)`; B = 8 fits, K = 1."""
+    B = 8
+    return gs.EnsembleProblem(lambda t, y, p: -p["k"] * y, jnp.ones((B, 1)),
+                              {"k": jnp.ones(B)}, (0.0, 2.0), name="decay"), B
+
+
+def _observations():
+    # True a = 1.7, k = 0.8, with a fixed small perturbation (not noise-free: the
+    # least-squares optimum is then not the truth, and the comparison is a real one).
+    clean = 1.7 * jnp.exp(-0.8 * TS)
+    return clean * (1 + 0.005 * jnp.sin(7.0 * TS))
+
+
+def _calibrator(prob, B, obs, **kw):
+    data = jnp.broadcast_to(obs[:, None], (B,) + obs.shape + (1,))
+    return gs.Calibrator(
+        prob, lambda ys, th, d: jnp.sum((ys[0] - d) ** 2), data=data,
+        to_params=lambda th: {"k": jnp.full(1, th["k"])},
+        to_y0=lambda th: jnp.full((1, 1), th["a"]), ts=TS, rtol=1e-10, atol=1e-12,
+        optimizer=optax.adam(0.05), **kw)
+
+
+@pytest.fixture(scope="module")
+def multistart_fit():
+    prob, B = _decay()
+    obs = _observations()
+    theta0 = gs.multistart({"a": 0.5, "k": 0.05}, {"a": 3.0, "k": 5.0}, B,
+                           jax.random.key(3), scale={"a": "lin", "k": "log"})
+    cal = _calibrator(prob, B, obs, transform={"a": None, "k": gs.transforms.Log10()})
+    return cal.fit(theta0, steps=400, grad_tol=1e-9, progress=False), obs
+
+
+def test_initial_states_and_a_rate_from_multistart_equal_scipy_least_squares(multistart_fit):
+    # The best of 8 Sobol starts against SciPy's least squares on the same residuals
+    # (the closed form, no ODE solver): both optimise the same function, so the optima
+    # agree to the solver's accuracy (rtol 1e-10) and Adam's stopping point (measured
+    # ~1e-7 relative; bound 1e-4).
+    res, obs = multistart_fit
+    best = res.best()
+    ref = least_squares(lambda x: x[0] * np.exp(-x[1] * np.asarray(TS)) - np.asarray(obs),
+                        x0=[1.0, 1.0], xtol=1e-14, ftol=1e-14).x
+    assert abs(float(best.theta["a"]) - ref[0]) / ref[0] < 1e-4
+    assert abs(float(best.theta["k"]) - ref[1]) / ref[1] < 1e-4
+    assert best.loss == pytest.approx(float(res.loss.min()))
+    # ... and the true initial state within 1% (the data were perturbed by 0.5%).
+    assert abs(float(best.theta["a"]) - 1.7) / 1.7 < 0.01
+
+
+def test_waterfall_plot_shows_the_final_losses_sorted(multistart_fit, tmp_path):
+    res, _ = multistart_fit
+    fig = res.plot(kind="waterfall", path=tmp_path / "waterfall.png")
+    np.testing.assert_array_equal(fig.axes[0].lines[0].get_ydata(), np.sort(res.loss))
+    assert (tmp_path / "waterfall.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="kind must be"):
+        res.plot(kind="profile")
+
+
+def test_saved_result_loads_with_every_start(multistart_fit, tmp_path):
+    res, _ = multistart_fit
+    path = tmp_path / "starts.npz"
+    res.save(path)
+    like = {"a": jnp.ones(8), "k": jnp.ones(8)}
+    back = gs.FitResult.load(path, like=like)
+    for field in ("loss", "converged", "status", "steps", "history", "grad_norm"):
+        np.testing.assert_array_equal(getattr(back, field), getattr(res, field))
+    for key in ("a", "k"):
+        np.testing.assert_array_equal(back.theta[key], res.theta[key])
+    assert back.best().index == res.best().index
+    assert back.status_names == res.status_names and back.engine == res.engine
+    plain = gs.FitResult.load(path)
+    np.testing.assert_array_equal(plain.theta["['k']"], res.theta["k"])
+    assert [p.name for p in tmp_path.iterdir()] == ["starts.npz"]  # no temporary left
+    with pytest.raises(ValueError, match="like has array leaves"):
+        gs.FitResult.load(path, like={"a": jnp.ones(8)})
+
+
+def test_to_y0_of_the_wrong_shape_is_refused_before_compiling():
+    prob, B = _decay()
+    cal = gs.Calibrator(prob, lambda ys, th, d: jnp.sum(ys ** 2),
+                        to_params=lambda th: {"k": jnp.full(1, th)},
+                        to_y0=lambda th: jnp.full((2, 1), th), ts=TS)
+    with pytest.raises(ValueError, match=r"to_y0\(theta_b\) must give the K=1 initial "
+                                         r"states of one fit, float64\[1, 1\]; got "
+                                         r"float64\[2, 1\]"):
+        cal.fit(jnp.ones(B), steps=1, progress=False)
+    with pytest.raises(TypeError, match="to_y0 must be callable"):
+        gs.Calibrator(prob, lambda ys, th, d: 0.0, to_y0=1.0)
+
+
+@pytest.mark.parametrize("method", ["sobol", "lhs"])
+def test_multistart_designs_are_stratified_on_their_scales(method):
+    # Both designs put exactly one of 32 points in each of 32 equal slices of every
+    # coordinate (Sobol's first 2^m points: a (0, m, 1)-net per coordinate; a Latin
+    # hypercube by construction), measured on the scale asked for: log for k.
+    lo = {"k": jnp.array([1e-3, 1e-1]), "a": 0.0}
+    hi = {"k": jnp.array([1e3, 1e1]), "a": 2.0}
+    theta = gs.multistart(lo, hi, 32, jax.random.key(0), scale={"k": "log", "a": "lin"},
+                          method=method)
+    assert theta["k"].shape == (32, 2) and theta["a"].shape == (32,)
+    columns = [(np.log(theta["k"][:, 0]), np.log(1e-3), np.log(1e3)),
+               (np.log(theta["k"][:, 1]), np.log(1e-1), np.log(1e1)),
+               (np.asarray(theta["a"]), 0.0, 2.0)]
+    for x, a, b in columns:
+        bins = np.floor((np.asarray(x) - a) / (b - a) * 32).astype(int)
+        assert sorted(bins) == list(range(32))
+    again = gs.multistart(lo, hi, 32, jax.random.key(0), scale={"k": "log", "a": "lin"},
+                          method=method)
+    np.testing.assert_array_equal(again["k"], theta["k"])  # the key fixes the design
+
+
+def test_multistart_refuses_bad_boxes_by_name():
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match=r"lo/hi\['k'\]: a log scale needs lo > 0"):
+        gs.multistart({"k": 0.0}, {"k": 1.0}, 4, key)
+    with pytest.raises(ValueError, match=r"lo/hi\['k'\]: every entry needs finite lo < hi"):
+        gs.multistart({"k": 2.0}, {"k": 1.0}, 4, key)
+    with pytest.raises(ValueError, match="scale of \\['k'\\] must be one of"):
+        gs.multistart({"k": 1.0}, {"k": 2.0}, 4, key, scale="ln")
+    with pytest.raises(ValueError, match="method must be one of"):
+        gs.multistart({"k": 1.0}, {"k": 2.0}, 4, key, method="halton")
+    with pytest.raises(ValueError, match="n_starts must be a positive integer"):
+        gs.multistart({"k": 1.0}, {"k": 2.0}, 0, key)
+
+
+def test_log_scales_map_as_their_closed_forms():
+    u = jnp.array([-2.0, 0.0, 3.0])
+    np.testing.assert_allclose(gs.transforms.Log().forward(u), np.exp(u), rtol=1e-15)
+    np.testing.assert_allclose(gs.transforms.Log10().forward(u), 10.0 ** np.asarray(u),
+                               rtol=1e-14)
+    np.testing.assert_array_equal(gs.transforms.Positive().forward(u),
+                                  gs.transforms.Log().forward(u))
+    # Bounded: sigmoid(u) of the way from log10(lo) to log10(hi), and back.
+    t = gs.transforms.Log10(1e-2, 1e4)
+    z = -2 + 6 / (1 + np.exp(-np.asarray(u)))
+    np.testing.assert_allclose(t.forward(u), 10.0 ** z, rtol=1e-14)
+    np.testing.assert_allclose(t.inverse(t.forward(u)), u, rtol=1e-12)
+    far = t.forward(jnp.array([-40.0, 40.0]))
+    assert 1e-2 <= float(far[0]) and float(far[1]) <= 1e4
+    with pytest.raises(ValueError, match="Log10 bounds are on a log scale and must be > 0"):
+        gs.transforms.Log10(0.0, 1.0)
+    with pytest.raises(ValueError, match="Log takes both bounds or neither"):
+        gs.transforms.Log(1.0)
+    with pytest.raises(ValueError, match="Positive takes no bounds"):
+        gs.transforms.Positive(1.0, 2.0)
