@@ -179,7 +179,8 @@ def _validate(prob: EnsembleProblem):
         raise ValueError(f"y0 must have shape (n, d) with n, d >= 1, got {y0.shape}")
     if not jnp.issubdtype(y0.dtype, jnp.floating):
         raise TypeError(f"y0 must be floating point, got dtype {y0.dtype}")
-    bad = ~np.isfinite(np.asarray(y0)).all(axis=1)
+    traced = isinstance(y0, jax.core.Tracer)  # under jit or grad: no values to check
+    bad = np.zeros(1, bool) if traced else ~np.isfinite(np.asarray(y0)).all(axis=1)
     if bad.any():
         raise ValueError(
             f"y0 holds non-finite values (NaN or inf) in trajectories "
@@ -239,6 +240,8 @@ def _check_dtypes(prob: EnsembleProblem):
 
 def _check_finite(tree, where):
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(leaf, jax.core.Tracer):
+            continue  # traced (under jit or grad): no values to check; gs.solve says why
         if eqx.is_inexact_array(leaf) and not np.isfinite(np.asarray(leaf)).all():
             raise ValueError(f"{where}{jax.tree_util.keystr(path)} holds non-finite values")
 

@@ -20,6 +20,7 @@ class Solution(eqx.Module):
         n_accepted, n_rejected: `(n,)` step counts.
         engine: the engine that ran; method: the integration method.
         passed_over: `(engine, reason)` pairs the router did not choose.
+        ts: the output times of `ys`: the `ts` asked for, or `(t1,)` without them.
     """
 
     ys: jax.Array
@@ -29,6 +30,7 @@ class Solution(eqx.Module):
     engine: str = eqx.field(static=True)
     method: str = eqx.field(static=True)
     passed_over: tuple = eqx.field(static=True, default=())
+    ts: jax.Array | None = None
 
     @property
     def stats(self) -> dict:
@@ -57,7 +59,8 @@ def cast_problem(prob: EnsembleProblem, dtype) -> EnsembleProblem:
 
 
 def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtype=None,
-          max_steps=DEFAULT_MAX_STEPS, dt0=None, interpolate=False, fused=None) -> Solution:
+          max_steps=DEFAULT_MAX_STEPS, dt0=None, interpolate=False, fused=None,
+          throw=False) -> Solution:
     """Solve every trajectory of an ensemble (forward only).
 
     Args:
@@ -74,9 +77,16 @@ def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtyp
             by one extra integrated step per output.
         fused: None lets the router choose; True asks for the Warp engine (an error
             says why if it cannot serve); False keeps the solve off every Warp engine.
+        throw: raise `gs.TrajectoryFailure` if a trajectory failed (as Diffrax's
+            `throw=True`); by default failures are reported in `.status`.
 
     Returns:
         A `gs.Solution`; `.engine` names the engine that ran.
+
+    Raises:
+        TypeError: called on traced values (inside `jax.grad`, `jit` or `vmap`): the
+            adaptive solve is not differentiated; `gs.value_and_grad` or `gs.replay`
+            on a recorded mesh is.
 
     Examples:
         >>> import gradsolve as gs
@@ -86,10 +96,20 @@ def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtyp
         >>> gs.solve(gs.problems.lorenz(n=4), engine="general").engine
         'general'
     """
-    prob = cast_problem(as_problem(prob), dtype)
+    prob = as_problem(prob)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((prob.y0, prob.params))):
+        raise TypeError(
+            "gs.solve got traced values (it was called inside jax.grad, jit or vmap): the "
+            "adaptive solve is forward only. To differentiate, use gs.value_and_grad(prob, "
+            "loss), or record a mesh outside (mesh = gs.record(prob)) and call "
+            "gs.replay(prob, mesh, params=..., y0=...) inside jax.grad")
+    prob = cast_problem(prob, dtype)
     eng, passed, cfg = plan(prob, gradient=False, engine=engine, method=method, fused=fused,
                             rtol=rtol, atol=atol, dt0=dt0, max_steps=max_steps, ts=ts,
                             interpolate=interpolate)
     ys, status, n_acc, n_rej = eng.solve(prob, cfg)
-    return Solution(ys=ys, status=status, n_accepted=n_acc, n_rejected=n_rej,
-                    engine=eng.name, method=cfg.method, passed_over=tuple(passed.items()))
+    out_ts = jnp.asarray([prob.t_span[1]] if cfg.ts is None else cfg.ts, ys.dtype)
+    sol = Solution(ys=ys, status=status, n_accepted=n_acc, n_rejected=n_rej,
+                   engine=eng.name, method=cfg.method, passed_over=tuple(passed.items()),
+                   ts=out_ts)
+    return sol.raise_for_status() if throw else sol
