@@ -161,3 +161,44 @@ def test_log_scales_map_as_their_closed_forms():
         gs.transforms.Log(1.0)
     with pytest.raises(ValueError, match="Positive takes no bounds"):
         gs.transforms.Positive(1.0, 2.0)
+
+
+# -- smaller things a user meets on the way --------------------------------------------
+
+def test_solve_under_grad_or_jit_points_to_the_gradient_api():
+    def loss(k):
+        prob = gs.EnsembleProblem(lambda t, y, k: -k * y, jnp.ones((2, 1)), k, (0.0, 1.0))
+        return gs.solve(prob).ys.sum()
+    for transform in (jax.grad, jax.jit):
+        with pytest.raises(TypeError, match=r"gs.solve got traced values .* "
+                                            r"gs.value_and_grad\(prob, loss\)"):
+            transform(loss)(jnp.ones(2))
+
+
+def test_solve_throw_and_output_times():
+    prob = gs.problems.lorenz(n=2)
+    with pytest.raises(gs.TrajectoryFailure, match="2 of 2 trajectories failed"):
+        gs.solve(prob, max_steps=3, throw=True)
+    assert gs.solve(prob, max_steps=3).status.tolist() == [gs.Status.MAX_STEPS] * 2
+    ts = jnp.array([0.1, 0.5])
+    np.testing.assert_array_equal(gs.solve(prob, ts=ts).ts, ts)
+    np.testing.assert_array_equal(gs.solve(prob).ts, [prob.t_span[1]])
+
+
+def test_rerecord_keeps_the_width_and_the_padding_changes_no_value():
+    # A rerecord at nearby parameters fits the current width: the compiled gradient
+    # is reused; zero-size padded steps are the identity, so the gradient equals the
+    # one on the unpadded fresh mesh bit for bit.
+    prob = gs.problems.lorenz(n=4)
+    loss = lambda ys, p: jnp.sum(ys ** 2)
+    vg = gs.value_and_grad(prob, loss, engine="general_replay")
+    vg.rerecord()
+    width = vg.mesh.columns
+    near = jax.tree.map(lambda x: x * 1.001, prob.params)
+    vg.rerecord(params=near)
+    assert vg.mesh.columns == width
+    fresh = gs.value_and_grad(prob, loss, engine="general_replay",
+                              mesh=gs.record(prob, params=near, recorder="general"))
+    assert fresh.mesh.columns < width
+    for a, b in zip(jax.tree.leaves(vg(near)), jax.tree.leaves(fresh(near))):
+        np.testing.assert_array_equal(a, b)

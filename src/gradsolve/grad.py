@@ -162,9 +162,13 @@ class ValueAndGrad:
         return self._call(self.mesh, params, y0)
 
     def rerecord(self, params=None, y0=None) -> "ValueAndGrad":
-        """Record a fresh mesh at `params`, `y0` (in place; returns self)."""
+        """Record a fresh mesh at `params`, `y0` (in place; returns self). It is padded
+        as the Calibrator pads a refreshed mesh (`Mesh.widened`): to the current width
+        if it fits, else to the next of a few fixed widths, so the compiled gradient is
+        reused unless the mesh outgrows its width."""
         if self._engine.serves("record"):
-            self.mesh = self._engine.record(self.problem, self.config, params=params, y0=y0)
+            mesh = self._engine.record(self.problem, self.config, params=params, y0=y0)
+            self.mesh = mesh.widened(self.mesh.columns if self.mesh is not None else 0)
             self._check_status()
         return self
 
