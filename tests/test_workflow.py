@@ -202,3 +202,65 @@ def test_rerecord_keeps_the_width_and_the_padding_changes_no_value():
     assert fresh.mesh.columns < width
     for a, b in zip(jax.tree.leaves(vg(near)), jax.tree.leaves(fresh(near))):
         np.testing.assert_array_equal(a, b)
+
+
+# -- minibatches ------------------------------------------------------------------------
+
+def _minibatch_fit(batch_size, **kw):
+    """B = 1 fit of k on K = 4 decays with different y0 (so their gradients differ),
+    observed at TS; plain SGD, no transform."""
+    K = 4
+    a = jnp.array([0.5, 1.0, 2.0, 4.0])
+    prob = gs.EnsembleProblem(lambda t, y, p: -p["k"] * y, a[:, None], {"k": jnp.ones(K)},
+                              (0.0, 2.0), name="decays")
+    data = (a[:, None] * jnp.exp(-0.8 * TS))[None, :, :, None]  # (B, K, T, 1)
+    return gs.Calibrator(prob, lambda ys, th, d: jnp.sum((ys - d) ** 2), data=data,
+                         to_params=lambda th: {"k": jnp.full(K, th)}, ts=TS, rtol=1e-10,
+                         atol=1e-12, optimizer=optax.sgd(1e-3), batch_size=batch_size, **kw), a
+
+
+def test_each_minibatch_update_is_the_gradient_of_one_drawn_trajectory():
+    # batch_size=1: every SGD update must be -lr times the closed-form gradient of ONE
+    # trajectory's loss, sum_t (a_j e^{-k t} - d_jt)^2, at the current k (solver
+    # rtol 1e-10: agreement to ~1e-8 relative; bound 1e-6), and the draws vary.
+    cal, a = _minibatch_fit(1)
+    t = np.asarray(TS)
+    d = np.asarray(a)[:, None] * np.exp(-0.8 * t)
+    k, chosen = 1.3, set()  # k: the iterate before res's last update
+    res = cal.fit(jnp.array([k]), steps=1, progress=False)
+    for steps in range(2, 10):
+        y = np.asarray(a)[:, None] * np.exp(-k * t)
+        grads = np.sum(2 * (y - d) * (-t) * y, axis=1)  # (K,) per trajectory
+        new = float(res.theta[0])
+        match = np.abs((k - new) - 1e-3 * grads) / np.abs(1e-3 * grads)
+        assert match.min() < 1e-6, match
+        chosen.add(int(np.argmin(match)))
+        k = new
+        # Without a checkpoint a fit starts over from theta0 with the same key: `steps`
+        # updates reach the next iterate.
+        res = cal.fit(jnp.array([1.3]), steps=steps, progress=False)
+    assert len(chosen) >= 2
+
+
+def test_minibatch_fit_resumes_with_the_same_draws(tmp_path):
+    # The draws come from the fit's key, which the checkpoint holds: 6 + 6 updates
+    # through a checkpoint end bit for bit where 12 straight do.
+    first = _minibatch_fit(2, checkpoint_dir=tmp_path / "fit", checkpoint_every=3)[0]
+    first.fit(jnp.array([1.3]), steps=6, progress=False)
+    resumed = _minibatch_fit(2, checkpoint_dir=tmp_path / "fit", checkpoint_every=3)[0] \
+        .fit(jnp.array([1.3]), steps=12, progress=False)
+    assert resumed.resumed_from == 6
+    straight = _minibatch_fit(2)[0].fit(jnp.array([1.3]), steps=12, progress=False)
+    np.testing.assert_array_equal(resumed.theta, straight.theta)
+    np.testing.assert_array_equal(resumed.history, straight.history)
+
+
+def test_minibatch_needs_data_per_trajectory_and_a_size_within_k():
+    cal, _ = _minibatch_fit(5)
+    with pytest.raises(ValueError, match="batch_size=5 is more than a fit's K=4"):
+        cal.fit(jnp.array([1.3]), steps=1, progress=False)
+    cal, _ = _minibatch_fit(2)
+    cal.data = cal.data[:, 0]
+    with pytest.raises(ValueError, match=r"with batch_size, data must lead with \(B, K\) = "
+                                         r"\(1, 4\)"):
+        cal.fit(jnp.array([1.3]), steps=1, progress=False)

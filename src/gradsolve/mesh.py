@@ -78,6 +78,12 @@ class Mesh(eqx.Module):
         h = np.pad(np.asarray(self.h), ((0, 0), (0, extra)))
         return eqx.tree_at(lambda m: m.h, self, jax.device_put(h))
 
+    def take(self, rows) -> "Mesh":
+        """The mesh of trajectories `rows` (an integer array; works under `jit`)."""
+        return eqx.tree_at(lambda m: (m.h, m.n_steps, m.n_rejected, m.status), self,
+                           (self.h[rows], self.n_steps[rows], self.n_rejected[rows],
+                            self.status[rows]))
+
     def widened(self, columns: int = 0) -> "Mesh":
         """Padded to the smallest of a few fixed widths that holds `columns` and S: a
         refreshed mesh keeps its compiled replay unless it outgrows the width, and one

@@ -114,6 +114,10 @@ class Calibrator:
         drift_every, drift_tol: every `drift_every` updates, record afresh and compare
             the replayed final states with the fresh record's; if the relative change
             exceeds `drift_tol` adopt the fresh mesh. Figures land in `result.drift`.
+        batch_size: each update uses this many of a fit's K trajectories (and their
+            data: every data leaf then leads with `(B, K)`), drawn without replacement
+            from the fit's key; the key is checkpointed, so a resumed fit draws the
+            same batches. The loss history is then the minibatch loss. None: all K.
         checkpoint_dir, checkpoint_every: save the fit state with Orbax every this many
             updates, at the end of a fit and when it is interrupted (Ctrl-C); `fit()` on
             a directory with a checkpoint of the same setup resumes from it (see
@@ -137,7 +141,7 @@ class Calibrator:
                  to_y0=None, transform=None, rtol=1e-6, atol=1e-9, method=None, ts=None,
                  max_steps=DEFAULT_MAX_STEPS, dt0=None, remat=None, engine=None,
                  recorder=None, refresh_every=None, drift_every=None, drift_tol=None,
-                 checkpoint_dir=None, checkpoint_every=None):
+                 batch_size=None, checkpoint_dir=None, checkpoint_every=None):
         self.problem = as_problem(prob)
         if not callable(loss):
             raise TypeError("loss must be callable as loss(ys_b, theta_b, data_b)")
@@ -150,7 +154,7 @@ class Calibrator:
                 and callable(getattr(optimizer, "update", None))):
             raise TypeError("optimizer must be an optax.GradientTransformation")
         for name, v in (("refresh_every", refresh_every), ("drift_every", drift_every),
-                        ("checkpoint_every", checkpoint_every)):
+                        ("checkpoint_every", checkpoint_every), ("batch_size", batch_size)):
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be None or a positive integer, got {v!r}")
         if (drift_every is None) != (drift_tol is None):
@@ -176,6 +180,7 @@ class Calibrator:
             dt0=dt0, max_steps=max_steps, ts=ts, remat=remat)
         self.engine = self._engine.name
         self.refresh_every, self.drift_every = refresh_every, drift_every
+        self.batch_size = batch_size
         self.drift_tol = None if drift_tol is None else float(drift_tol)
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self._ys = self._engine.ys_function(self.problem, self.config, "reverse")
@@ -211,9 +216,20 @@ class Calibrator:
             return self.problem.y0
         return eqx.filter_vmap(self.to_y0)(theta).reshape(self.problem.y0.shape)
 
-    def _losses(self, u, static, mesh, data, K):
+    def _losses(self, u, static, mesh, data, K, rows=None):
+        """Per-fit losses; with `rows` `(B, m)`, on those m of each fit's K
+        trajectories (a minibatch) and their data."""
         theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
-        ys = self._ys(mesh, self._full_params(theta, K), self._full_y0(theta))
+        params, y0 = self._full_params(theta, K), self._full_y0(theta)
+        if rows is not None:
+            B, K = rows.shape
+            flat = (jnp.arange(B)[:, None] * (y0.shape[0] // B) + rows).reshape(-1)
+            params = jax.tree.map(lambda x: x if _is_shared(x) or not eqx.is_array(x)
+                                  else x[flat], params, is_leaf=_is_shared)
+            y0, mesh = y0[flat], None if mesh is None else mesh.take(flat)
+            data = None if data is None else jax.tree.map(
+                lambda d: jax.vmap(lambda d_b, r: d_b[r])(d, rows), data)
+        ys = self._ys(mesh, params, y0)
         ys_b = ys.reshape((-1, K) + ys.shape[1:])
         batched = eqx.if_array(0)
         axes = (batched, batched, None if data is None else batched)
@@ -222,10 +238,17 @@ class Calibrator:
     def _update_impl(self, state: FitState, static, mesh, data, tol, grad_tol, cap):
         # `cap` is traced and `history` is written outside: the compiled update
         # depends on B and the mesh width only, not on the number of steps.
-        K = self.problem.n // state.active.shape[0]
+        B = state.active.shape[0]
+        K = self.problem.n // B
+        key, draw = jax.random.split(state.key)
+        rows = None
+        if self.batch_size is not None:  # each fit's minibatch, from the fit's key
+            rows = jax.vmap(lambda k: jax.random.choice(k, K, (self.batch_size,),
+                                                        replace=False))(
+                jax.random.split(draw, B))
 
         def total(u):
-            losses = self._losses(u, static, mesh, data, K)
+            losses = self._losses(u, static, mesh, data, K, rows)
             # A non-finite fit adds nothing to the others' gradients.
             return jnp.sum(jnp.where(jnp.isfinite(losses), losses, 0.0)), losses
 
@@ -249,7 +272,7 @@ class Calibrator:
         return state._replace(
             u=u, opt_state=opt_state, active=state.active & move & (steps < cap),
             status=status, steps=steps, loss=losses, grad_norm=grad_norm,
-            update=state.update + 1, key=jax.random.split(state.key)[0])
+            update=state.update + 1, key=key)
 
     # -- records --------------------------------------------------------------------
 
@@ -306,6 +329,7 @@ class Calibrator:
             "dtype": str(prob.y0.dtype), "B": int(B), "K": int(K),
             "refresh_every": self.refresh_every, "drift_every": self.drift_every,
             "drift_tol": self.drift_tol, "tol": tol, "grad_tol": grad_tol,
+            "batch_size": self.batch_size,
             "theta0": checksum(eqx.filter(theta0, eqx.is_array))[:16],
             "data": checksum(self.data)[:16],
             "loss": _jaxpr_hash(loss_jaxpr), "optimizer": _jaxpr_hash(opt_jaxpr)}
@@ -476,6 +500,16 @@ class Calibrator:
                     raise ValueError(f"data{jax.tree_util.keystr(path)} must lead with "
                                      f"B={B}, got shape {np.shape(x)}")
         _transforms.check(self.transform, theta0)
+        if self.batch_size is not None:
+            if self.batch_size > n // B:
+                raise ValueError(f"batch_size={self.batch_size} is more than a fit's "
+                                 f"K={n // B} trajectories")
+            for path, x in jax.tree_util.tree_leaves_with_path(self.data):
+                if np.shape(x)[:2] != (B, n // B):
+                    raise ValueError(
+                        f"with batch_size, data{jax.tree_util.keystr(path)} must lead with "
+                        f"(B, K) = ({B}, {n // B}) (a minibatch takes each fit's data of "
+                        f"its drawn trajectories), got shape {np.shape(x)}")
         self._check_to_params(theta0, n // B)
         self._check_to_y0(theta0, n // B)
         return B, n // B
