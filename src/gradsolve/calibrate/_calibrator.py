@@ -13,6 +13,7 @@ loss history lives on the host. A refreshed mesh is padded to one of a few width
 (`Mesh.widened`), so a fit compiles its update once per width it meets.
 """
 
+import copy
 import enum
 import functools
 import hashlib
@@ -36,7 +37,7 @@ from ..mesh import Mesh
 from ..problem import Shared, _is_shared, as_problem
 from ..router import plan
 from ..status import Status
-from . import _transforms
+from . import _result, _transforms
 from ._checkpoint import CheckpointMismatch, Checkpoints, check_directory, checksum
 from ._result import FitResult
 
@@ -463,6 +464,63 @@ class Calibrator:
         return FitResult.from_state(state, theta, self.engine, FitStatus,
                                     resumed_from=resumed_from)
 
+    def profile(self, res, name, grid, steps=400, tol=None, grad_tol=None, progress=True):
+        """The profile likelihood of one parameter, all grid points as one batched job.
+
+        At each value of `grid` the parameter `name` (a leaf of theta holding one
+        number per fit, e.g. `"k"` for `theta["k"]`) is held fixed and the others are
+        re-optimised, every grid point a concurrent fit warm-started from `res`'s best
+        fit (`res.best()`), on that fit's data. The optimizer, transforms, tolerances
+        and engine are this Calibrator's; no checkpoints are written.
+
+        Args:
+            res: a `FitResult` of this Calibrator (a multistart, say).
+            name: the profiled leaf, by name as in `res.table()` (`"k"`, `"rates.k1"`).
+            grid: the values to fix it at (constrained space).
+            steps, tol, grad_tol, progress: as `fit`, for the re-optimisations.
+
+        Returns:
+            A `FitResult` with one fit per grid point (`theta[name]` is the grid),
+            `.plot(kind="profile", name=name)` to draw it.
+        """
+        best = res.best()
+        grid = np.asarray(grid, np.asarray(jax.tree.leaves(best.theta)[0]).dtype).ravel()
+        G = grid.size
+        paths = [p for p, x in jax.tree_util.tree_leaves_with_path(best.theta)
+                 if eqx.is_array(x) or isinstance(x, np.ndarray)]
+        names = {_result._name(p): p for p in paths}
+        if name not in names:
+            raise ValueError(f"no leaf {name!r} in theta; its leaves are {sorted(names)}")
+        if np.ndim(_leaf_at(best.theta, names[name])) != 0:
+            raise ValueError(f"theta[{name!r}] holds {np.shape(_leaf_at(best.theta, names[name]))} "
+                             f"values per fit; a profile fixes a leaf of one number")
+        if G < 1 or not np.all(np.isfinite(grid)):
+            raise ValueError(f"grid must hold finite values, got {grid}")
+        B = np.shape(res.loss)[0]
+        K = self.problem.n // B
+        fixed = names[name]
+        theta0 = jax.tree_util.tree_map_with_path(
+            lambda p, x: jnp.asarray(grid) if p == fixed else
+            jnp.broadcast_to(jnp.asarray(x), (G,) + np.shape(x)) if eqx.is_array(x)
+            or isinstance(x, np.ndarray) else x, best.theta)
+        # The best fit's K trajectories and data, once per grid point.
+        rows = np.tile(np.arange(best.index * K, (best.index + 1) * K), G)
+        pick = lambda x: x if _is_shared(x) or not eqx.is_array(x) else x[rows]
+        prob = self.problem.replace(y0=self.problem.y0[rows],
+                                    params=jax.tree.map(pick, self.problem.params,
+                                                        is_leaf=_is_shared))
+        data = None if self.data is None else jax.tree.map(
+            lambda d: jnp.broadcast_to(d[best.index], (G,) + np.shape(d)[1:]), self.data)
+        hold = jax.tree_util.tree_map_with_path(  # the structure of the optimised u
+            lambda p, x: p == fixed, eqx.filter(best.theta, eqx.is_inexact_array))
+        jobs = copy.copy(self)
+        jobs.problem, jobs.data, jobs.checkpoint_dir, jobs.checkpoint_every = prob, data, None, None
+        # Zero updates for the fixed leaf: it stays at its grid value exactly.
+        jobs.optimizer = optax.chain(self.optimizer, optax.masked(optax.set_to_zero(), hold))
+        jobs._ys = self._engine.ys_function(prob, self.config, "reverse")
+        jobs._update = eqx.filter_jit(jobs._update_impl)
+        return jobs.fit(theta0, steps=steps, tol=tol, grad_tol=grad_tol, progress=progress)
+
     def _step(self, state, static, tol, grad_tol, cap):
         """One compiled update; the host-side history stays out of the compiled code."""
         new = self._update(state._replace(history=None, drift=None), static,
@@ -597,6 +655,10 @@ class Calibrator:
             mesh=_mesh_arrays(fresh), refreshes=state.refreshes + 1,
             active=state.active & ~failed,
             status=jnp.where(failed, FitStatus.RECORD_FAILED, state.status).astype(jnp.int32))
+
+
+def _leaf_at(tree, path):
+    return next(x for p, x in jax.tree_util.tree_leaves_with_path(tree) if p == path)
 
 
 def _continued(state: FitState, steps: int) -> FitState:

@@ -174,17 +174,34 @@ class FitResult:
                          f" {self.loss[b]:10.3g} {self.steps[b]:6d}  {self.status_names[b]}")
         return "\n".join(lines)
 
-    def plot(self, true=None, path=None, kind="history"):
-        """Loss histories and (with `true`) recovered vs true parameters, or with
+    def plot(self, true=None, path=None, kind="history", name=None):
+        """Loss histories and (with `true`) recovered vs true parameters; with
         `kind="waterfall"` the final losses sorted (a multistart's waterfall: a flat
-        run of starts at the lowest loss is an optimum found repeatedly); saves to
-        `path` if given and returns the matplotlib figure."""
-        if kind not in ("history", "waterfall"):
-            raise ValueError(f"kind must be 'history' or 'waterfall', got {kind!r}")
+        run of starts at the lowest loss is an optimum found repeatedly); with
+        `kind="profile"` the loss against theta[`name`] (what `Calibrator.profile`
+        returns). Saves to `path` if given and returns the matplotlib figure."""
+        if kind not in ("history", "waterfall", "profile"):
+            raise ValueError(f"kind must be 'history', 'waterfall' or 'profile', got {kind!r}")
         import matplotlib  # optional (the `plot` extra): imported when a plot is asked for
         if path is not None:
             matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # after use("Agg"), which must come first
+        if kind == "profile":
+            values = {_name(p): np.asarray(x)
+                      for p, x in jax.tree_util.tree_leaves_with_path(self.theta)}
+            if name not in values:
+                raise ValueError(f"kind='profile' needs name= one of {sorted(values)}")
+            x, loss = values[name], np.asarray(self.loss, float)
+            order = np.argsort(x)
+            fig, ax = plt.subplots(figsize=(5.5, 4))
+            ax.plot(x[order], loss[order], "o-", ms=4)
+            ax.set_xlabel(name)
+            ax.set_ylabel("loss, others re-optimised")
+            ax.set_title(f"profile of {name} ({self.engine})")
+            fig.tight_layout()
+            if path is not None:
+                fig.savefig(path, dpi=120)
+            return fig
         if kind == "waterfall":
             loss = np.asarray(self.loss, float)
             order = np.argsort(np.where(np.isfinite(loss), loss, np.inf))
