@@ -191,6 +191,19 @@ def test_ffi_and_pure_callback_bridges_give_the_same_bits(neural, neural_pair, m
         np.testing.assert_array_equal(a, b)
 
 
+def test_one_field_at_two_ensemble_sizes_keeps_its_own_host_calls():
+    # The same kernels at n = 4 and n = 6 (the Calibrator's profile does this): each
+    # compiled gradient finds its own host calls. (Keyed by the kernels alone, the
+    # n = 4 gradient called after the n = 6 one was traced failed to reshape.)
+    a = gs.value_and_grad(gs.problems.lorenz(n=4, t_span=(0.0, 0.05)), _loss,
+                          engine="kernel_adjoint")
+    first = a()
+    gs.value_and_grad(gs.problems.lorenz(n=6, t_span=(0.0, 0.05)), _loss,
+                      engine="kernel_adjoint")()
+    for x, y in zip(jax.tree.leaves(first), jax.tree.leaves(a())):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_vmap_of_the_replay_gradient_is_one_call_per_element(neural, neural_pair):
     # Under vmap each host call runs once per batch element (vmap_method
     # "sequential"): the batched gradients are the unbatched ones, bit for bit.

@@ -27,7 +27,7 @@ import numpy as np
 from . import _runtime
 
 
-_FUNCTIONS: dict = {}  # key -> (host function, argument shapes) of the latest trace
+_FUNCTIONS: dict = {}  # key -> (host function, argument shapes), see `call`
 
 
 def call(fn, results, *args, name: str, bridge: str | None = None):
@@ -37,10 +37,10 @@ def call(fn, results, *args, name: str, bridge: str | None = None):
         fn: host function; returns one array per entry of `results`.
         results: sequence of `jax.ShapeDtypeStruct`.
         args: JAX arrays (no bools: pass them as integers).
-        name: what `fn` computes; calls with the same name must compute the same
-            function. A hash of it is the call's key in the traced program, so a trace
-            is the same in every process (the Calibrator's checkpoint fingerprint
-            hashes the traced loss).
+        name: what `fn` computes; calls with the same name and argument shapes must
+            compute the same function. A hash of both is the call's key in the traced
+            program, so a trace is the same in every process (the Calibrator's
+            checkpoint fingerprint hashes the traced loss).
         bridge: `"ffi"` or `"callback"`; default: `default_bridge()`.
     """
     results = tuple(results)
@@ -49,7 +49,11 @@ def call(fn, results, *args, name: str, bridge: str | None = None):
         return jax.pure_callback(fn, results, *args, vmap_method="sequential")
     if bridge != "ffi":
         raise ValueError(f"bridge must be 'ffi' or 'callback', got {bridge!r}")
-    key = int(hashlib.sha256(name.encode()).hexdigest()[:15], 16)  # fits an int64
+    # The key: what fn computes and on which shapes (one traced program may hold the
+    # same kernels at two ensemble sizes; each compiled call must find its own shapes).
+    signature = [(np.shape(a), np.dtype(a.dtype).name) for a in args] + \
+        [(tuple(r.shape), np.dtype(r.dtype).name) for r in results]
+    key = int(hashlib.sha256(f"{name}|{signature}".encode()).hexdigest()[:15], 16)  # int64
     _FUNCTIONS[key] = fn, [np.shape(a) for a in args]
     # Warp arrays have at least one axis: scalars travel as one-element arrays.
     args = [jnp.reshape(a, (1,)) if np.ndim(a) == 0 else a for a in args]
