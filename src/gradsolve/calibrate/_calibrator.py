@@ -225,8 +225,7 @@ class Calibrator:
         if rows is not None:
             B, K = rows.shape
             flat = (jnp.arange(B)[:, None] * (y0.shape[0] // B) + rows).reshape(-1)
-            params = jax.tree.map(lambda x: x if _is_shared(x) or not eqx.is_array(x)
-                                  else x[flat], params, is_leaf=_is_shared)
+            params = _take_rows(params, flat)
             y0, mesh = y0[flat], None if mesh is None else mesh.take(flat)
             data = None if data is None else jax.tree.map(
                 lambda d: jax.vmap(lambda d_b, r: d_b[r])(d, rows), data)
@@ -505,10 +504,8 @@ class Calibrator:
             or isinstance(x, np.ndarray) else x, best.theta)
         # The best fit's K trajectories and data, once per grid point.
         rows = np.tile(np.arange(best.index * K, (best.index + 1) * K), G)
-        pick = lambda x: x if _is_shared(x) or not eqx.is_array(x) else x[rows]
         prob = self.problem.replace(y0=self.problem.y0[rows],
-                                    params=jax.tree.map(pick, self.problem.params,
-                                                        is_leaf=_is_shared))
+                                    params=_take_rows(self.problem.params, rows))
         data = None if self.data is None else jax.tree.map(
             lambda d: jnp.broadcast_to(d[best.index], (G,) + np.shape(d)[1:]), self.data)
         hold = jax.tree_util.tree_map_with_path(  # the structure of the optimised u
@@ -655,6 +652,12 @@ class Calibrator:
             mesh=_mesh_arrays(fresh), refreshes=state.refreshes + 1,
             active=state.active & ~failed,
             status=jnp.where(failed, FitStatus.RECORD_FAILED, state.status).astype(jnp.int32))
+
+
+def _take_rows(params, rows):
+    """Per-trajectory parameters of trajectories `rows`; `gs.Shared` ones as they are."""
+    return jax.tree.map(lambda x: x if _is_shared(x) or not eqx.is_array(x) else x[rows],
+                        params, is_leaf=_is_shared)
 
 
 def _leaf_at(tree, path):
