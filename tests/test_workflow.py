@@ -120,6 +120,92 @@ def test_saved_result_loads_with_every_start(multistart_fit, tmp_path):
         gs.FitResult.load(path, like={"a": jnp.ones(8)})
 
 
+def _queue_fit(prob, B, obs, theta0, slots=None, steps=300, **kw):
+    cal = _calibrator(prob, B, obs, transform={"a": None, "k": gs.transforms.Log10()},
+                      refresh_every=40, **kw)
+    return cal.fit(theta0, steps=steps, tol=1e-4, progress=False, slots=slots)
+
+
+_QUEUE_FIELDS = ("loss", "steps", "status", "history", "grad_norm")
+
+
+def _assert_same_fits(res, ref, starts=slice(None)):
+    """`res`'s fits equal `ref`'s fits `starts`."""
+    # Fits never meet in the update (their losses are summed, each gradient is its own),
+    # so a start's computation is the same in any slot beside any others. Not bit for
+    # bit: XLA compiles the update for 1, 3 and 8 fits with different vector loops,
+    # which moves last bits, and 300 Adam updates carry them; the final losses (~1e-4,
+    # sums of squared residuals that are small differences of O(1) values) show them
+    # most. Measured: <= 8e-14 relative through 3 slots, <= 4e-11 for the start alone.
+    for f in _QUEUE_FIELDS:
+        np.testing.assert_allclose(np.asarray(getattr(res, f)),
+                                   np.asarray(getattr(ref, f))[..., starts],
+                                   rtol=1e-9, atol=0, err_msg=f)
+    for key in ("a", "k"):
+        np.testing.assert_allclose(res.theta[key], ref.theta[key][starts],
+                                   rtol=1e-9, atol=0)
+
+
+@pytest.fixture(scope="module")
+def queue_starts():
+    prob, B = _decay()
+    theta0 = gs.multistart({"a": 0.5, "k": 0.05}, {"a": 3.0, "k": 5.0}, B,
+                           jax.random.key(3), scale={"a": "lin", "k": "log"})
+    obs = _observations()
+    return prob, B, obs, theta0, _queue_fit(prob, B, obs, theta0)
+
+
+def test_start_queue_through_three_slots_equals_all_starts_at_once_and_alone(queue_starts):
+    # 8 starts through 3 slots: a slot whose fit converges (tol) takes the next start;
+    # every fit re-records at its own update counts (refresh_every=40). Reference: the 8 starts as 8 concurrent fits, and start 6
+    # as a fit of its own (a problem of one trajectory).
+    prob, B, obs, theta0, together = queue_starts
+    assert len(set(together.steps.tolist())) > 2  # the fits stop at different updates
+    queued = _queue_fit(prob, B, obs, theta0, slots=3)
+    _assert_same_fits(queued, together)
+    assert queued.updates > together.updates  # the same work, 3 at a time
+    one = prob.replace(y0=prob.y0[6:7], params={"k": prob.params["k"][6:7]})
+    alone = _queue_fit(one, 1, obs, jax.tree.map(lambda x: x[6:7], theta0))
+    _assert_same_fits(alone, together, slice(6, 7))
+
+
+def test_start_queue_resumes_and_extends_with_other_slots(queue_starts, tmp_path):
+    # A queued fit capped at 60 updates per start (checkpointed every 7 updates of the
+    # slots), then extended to 300 through 5 slots instead of 3: the checkpoint holds
+    # every start (the slots are written back before a save), so the extension ends
+    # where the 8 starts run straight to 300 do.
+    prob, B, obs, theta0, together = queue_starts
+    kw = dict(checkpoint_dir=tmp_path / "q", checkpoint_every=7)
+    short = _queue_fit(prob, B, obs, theta0, slots=3, steps=60, **kw)
+    assert short.history.shape == (60, B) and (short.steps <= 60).all()
+    longer = _queue_fit(prob, B, obs, theta0, slots=5, **kw)
+    assert longer.resumed_from == short.updates
+    _assert_same_fits(longer, together)
+    with pytest.raises(ValueError, match="slots must be None or a positive integer"):
+        _queue_fit(prob, B, obs, theta0, slots=0)
+
+
+def test_a_start_whose_record_fails_gives_its_slot_to_the_next():
+    # k = 1e4 needs far more than max_steps=20 steps: those starts fail to record (every
+    # start is recorded at theta0 before the first update) and are reported, never
+    # taking a slot; the others converge to the closed-form optimum k = ln 2
+    # (exp(-k) = 0.5) as they do all at once.
+    prob = gs.EnsembleProblem(lambda t, y, k: -k * y, jnp.ones((6, 1)), jnp.ones(6), (0.0, 1.0))
+    cal = gs.Calibrator(prob, lambda ys, k, d: jnp.sum((ys - d) ** 2),
+                        data=jnp.full((6, 1, 1), 0.5), optimizer=optax.adam(0.05), max_steps=20)
+    theta0 = jnp.array([1.0, 1e4, 1e4, 2.0, 1e4, 0.5])
+    together = cal.fit(theta0, steps=200, tol=1e-10, progress=False)
+    queued = cal.fit(theta0, steps=200, tol=1e-10, progress=False, slots=2)
+    assert queued.status_names == together.status_names == (
+        "converged", "record_failed", "record_failed", "converged", "record_failed", "converged")
+    np.testing.assert_array_equal(queued.steps, together.steps)
+    # A converged fit holds its slot for its steps plus the update that finds it
+    # converged. Slots run starts 0 and 3, then 5: no update is spent on a failed start.
+    s = queued.steps + 1
+    assert queued.updates == max(s[0], s[3]) + s[5]
+    np.testing.assert_allclose(queued.theta[queued.converged], np.log(2.0), rtol=1e-4)
+
+
 def test_to_y0_of_the_wrong_shape_is_refused_before_compiling():
     prob, B = _decay()
     cal = gs.Calibrator(prob, lambda ys, th, d: jnp.sum(ys ** 2),

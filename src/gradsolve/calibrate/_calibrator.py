@@ -8,6 +8,11 @@ couple fits). Fits that converge are frozen -- parameters and optimizer state --
 fits whose loss or gradient goes non-finite, or whose trajectories fail to record,
 are frozen with a status; the others go on untouched.
 
+With `fit(..., slots=m)` the compiled update runs on m fits at a time and a fit that
+stops hands its slot to the next start; nothing in the update couples two fits, and
+each fit counts its own updates (history, cap, refreshes, minibatches), so a start's
+result does not depend on the slots.
+
 Nothing compiled depends on the number of steps: the step cap is traced, and the
 loss history lives on the host. A refreshed mesh is padded to one of a few widths
 (`Mesh.widened`), so a fit compiles its update once per width it meets.
@@ -33,7 +38,7 @@ from tqdm.auto import tqdm
 from .._version import __version__
 from ..config import DEFAULT_MAX_STEPS
 from ..engines import recorder_of, with_recorder
-from ..mesh import Mesh
+from ..mesh import Mesh, padded_width
 from ..problem import Shared, _is_shared, as_problem
 from ..router import plan
 from ..status import Status
@@ -50,24 +55,39 @@ class FitStatus(enum.IntEnum):
     STEP_CAP = 2
     NONFINITE = 3
     RECORD_FAILED = 4
+    QUEUED = 5  # recorded, waiting for a slot (`fit(..., slots=)`)
 
 
 class FitState(NamedTuple):
-    """Everything a fit needs to continue: arrays only (it is what is checkpointed)."""
+    """Everything a fit needs to continue: arrays only (it is what is checkpointed).
+
+    It holds every start of a fit; the compiled update runs on a window of them (the
+    slots, see `Calibrator.fit`), which is written back before a checkpoint."""
 
     u: Any               # unconstrained parameters, leaves lead with B
     opt_state: Any       # per-fit optimizer state, leaves lead with B
-    active: jax.Array    # (B,) still updating
+    active: jax.Array    # (B,) still to update (queued or running)
     status: jax.Array    # (B,) FitStatus
     steps: jax.Array     # (B,) updates applied
-    loss: jax.Array      # (B,) loss at the current parameters
+    loss: jax.Array      # (B,) loss at the last update the fit was active in
     grad_norm: jax.Array  # (B,)
-    history: np.ndarray  # (steps, B) loss at each update; on the host (grows with steps)
-    drift: np.ndarray    # (steps,) drift figure where a drift check ran, else NaN
-    update: jax.Array    # () updates done
+    history: np.ndarray  # (steps, B) loss at each of a fit's updates; on the host
+    drift: np.ndarray    # (steps, B) drift figure at a fit's update, where a check ran
+    update: jax.Array    # () updates of the window done
     refreshes: jax.Array  # () mesh refreshes so far
-    key: jax.Array
+    key: jax.Array       # fit b's minibatch at its update t: fold_in(fold_in(key, b), t)
     mesh: Any            # the mesh's arrays (None for an engine without a mesh)
+
+
+class _Window(NamedTuple):
+    """The starts the compiled update runs on: `state` holds slot j's copy of start
+    `start[j]` (a `FitState` of the slots, without the host-side history), with its
+    trajectories' problem y0 and its data."""
+
+    start: np.ndarray    # (slots,) the start in each slot
+    state: FitState
+    y0: jax.Array        # (slots * K, d)
+    data: Any
 
 
 def _where(mask, new, old):
@@ -136,6 +156,9 @@ class Calibrator:
         >>> res = cal.fit(jnp.ones(B), steps=300, tol=1e-12, progress=False)
         >>> [round(float(k), 3) for k in res.theta], bool(res.converged.all())
         ([0.5, 2.0], True)
+        >>> one_at_a_time = cal.fit(jnp.ones(B), steps=300, tol=1e-12, progress=False, slots=1)
+        >>> bool(jnp.allclose(one_at_a_time.theta, res.theta, rtol=1e-12, atol=0))
+        True
     """
 
     def __init__(self, prob, loss, to_params=None, data=None, optimizer=None, *,
@@ -211,17 +234,18 @@ class Calibrator:
             return x.reshape((-1,) + x.shape[2:]) if eqx.is_array(x) else x
         return jax.tree.map(merge, per_fit, is_leaf=lambda v: isinstance(v, Shared))
 
-    def _full_y0(self, theta):
-        """The ensemble's initial states: the problem's, or `to_y0` of each fit."""
+    def _full_y0(self, theta, y0):
+        """The initial states of the fits' trajectories: the problem's rows `y0`, or
+        `to_y0` of each fit."""
         if self.to_y0 is None:
-            return self.problem.y0
-        return eqx.filter_vmap(self.to_y0)(theta).reshape(self.problem.y0.shape)
+            return y0
+        return eqx.filter_vmap(self.to_y0)(theta).reshape(y0.shape)
 
-    def _losses(self, u, static, mesh, data, K, rows=None):
+    def _losses(self, u, static, mesh, data, y0, K, rows=None):
         """Per-fit losses; with `rows` `(B, m)`, on those m of each fit's K
         trajectories (a minibatch) and their data."""
         theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
-        params, y0 = self._full_params(theta, K), self._full_y0(theta)
+        params, y0 = self._full_params(theta, K), self._full_y0(theta, y0)
         if rows is not None:
             B, K = rows.shape
             flat = (jnp.arange(B)[:, None] * (y0.shape[0] // B) + rows).reshape(-1)
@@ -235,20 +259,23 @@ class Calibrator:
         axes = (batched, batched, None if data is None else batched)
         return eqx.filter_vmap(self.loss, in_axes=axes)(ys_b, theta, data)
 
-    def _update_impl(self, state: FitState, static, mesh, data, tol, grad_tol, cap):
+    def _update_impl(self, state: FitState, static, mesh, data, y0, start, tol, grad_tol,
+                     cap):
         # `cap` is traced and `history` is written outside: the compiled update
-        # depends on B and the mesh width only, not on the number of steps.
+        # depends on the number of slots and the mesh width only, not on the number of
+        # steps. Nothing in it couples two fits: a fit's update depends on its own
+        # start index, steps, parameters, trajectories and data only -- which is what
+        # makes a start's result the same in whichever slot, beside whichever others.
         B = state.active.shape[0]
-        K = self.problem.n // B
-        key, draw = jax.random.split(state.key)
+        K = y0.shape[0] // B
         rows = None
-        if self.batch_size is not None:  # each fit's minibatch, from the fit's key
-            rows = jax.vmap(lambda k: jax.random.choice(k, K, (self.batch_size,),
-                                                        replace=False))(
-                jax.random.split(draw, B))
+        if self.batch_size is not None:  # fit b's minibatch at its update t, from the key
+            rows = jax.vmap(lambda b, t: jax.random.choice(
+                jax.random.fold_in(jax.random.fold_in(state.key, b), t), K,
+                (self.batch_size,), replace=False))(start, state.steps)
 
         def total(u):
-            losses = self._losses(u, static, mesh, data, K, rows)
+            losses = self._losses(u, static, mesh, data, y0, K, rows)
             # A non-finite fit adds nothing to the others' gradients.
             return jnp.sum(jnp.where(jnp.isfinite(losses), losses, 0.0)), losses
 
@@ -271,12 +298,13 @@ class Calibrator:
             state.status).astype(state.status.dtype)
         return state._replace(
             u=u, opt_state=opt_state, active=state.active & move & (steps < cap),
-            status=status, steps=steps, loss=losses, grad_norm=grad_norm,
-            update=state.update + 1, key=key)
+            status=status, steps=steps, loss=jnp.where(state.active, losses, state.loss),
+            grad_norm=jnp.where(state.active, grad_norm, state.grad_norm),
+            update=state.update + 1)
 
     # -- records --------------------------------------------------------------------
 
-    def _record(self, u, static, K, width=0):
+    def _record(self, u, static, K, y0, width=0):
         """Record at the current parameters; per-fit record success. The mesh is padded
         to one of `Mesh.widened`'s few widths, at least `width`."""
         if not self._engine.serves("record"):
@@ -284,7 +312,7 @@ class Calibrator:
         theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
         mesh = self._engine.record(self.problem, self.config,
                                    params=self._full_params(theta, K),
-                                   y0=self._full_y0(theta))
+                                   y0=self._full_y0(theta, y0))
         ok = np.asarray(mesh.status).reshape(-1, K) == Status.SUCCESS
         return mesh.widened(width), ok.all(axis=1)
 
@@ -294,13 +322,15 @@ class Calibrator:
         return Mesh(**arrays, method=self.config.method, rtol=self.config.rtol,
                     atol=self.config.atol, recorder=recorder_of(self._engine))
 
-    def _drift(self, mesh, fresh, u, static, K):
+    def _drift(self, mesh, fresh, u, static, K, y0):
+        """Per fit, the largest relative change of its replayed outputs from `mesh` to
+        `fresh`."""
         theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
-        params, y0 = self._full_params(theta, K), self._full_y0(theta)
-        old = self._ys(mesh, params, y0)
-        new = self._ys(fresh, params, y0)
-        return float(jnp.max(jnp.linalg.norm((old - new).reshape(old.shape[0], -1), axis=1)
-                             / jnp.linalg.norm(new.reshape(new.shape[0], -1), axis=1)))
+        params, y0 = self._full_params(theta, K), self._full_y0(theta, y0)
+        old = np.asarray(self._ys(mesh, params, y0)).reshape(y0.shape[0], -1)
+        new = np.asarray(self._ys(fresh, params, y0)).reshape(y0.shape[0], -1)
+        change = np.linalg.norm(old - new, axis=1) / np.linalg.norm(new, axis=1)
+        return change.reshape(-1, K).max(axis=1)
 
     # -- what defines a fit -----------------------------------------------------------
 
@@ -316,8 +346,8 @@ class Calibrator:
             mesh = self._mesh(dict(jax.tree.map(_abstract, state.mesh),
                                    h=jax.ShapeDtypeStruct((prob.n, 8), state.mesh["h"].dtype)))
         losses = functools.partial(self._losses, static=static, K=K)
-        loss_jaxpr = jax.make_jaxpr(lambda u, m, d: losses(u, mesh=m, data=d))(
-            _abstract(state.u), mesh, _abstract(self.data))
+        loss_jaxpr = jax.make_jaxpr(lambda u, m, d, y: losses(u, mesh=m, data=d, y0=y))(
+            _abstract(state.u), mesh, _abstract(self.data), _abstract(prob.y0))
         opt_jaxpr = jax.make_jaxpr(jax.vmap(self.optimizer.update))(
             _abstract(state.u), _abstract(state.opt_state), _abstract(state.u))
         return {
@@ -337,7 +367,7 @@ class Calibrator:
     # -- the loop -------------------------------------------------------------------
 
     def fit(self, theta0, steps=400, tol=None, grad_tol=None, progress=True, key=None,
-            resume=True):
+            resume=True, slots=None):
         """Run the fits for up to `steps` updates each.
 
         With `checkpoint_dir`, a directory holding a checkpoint of the same fit is
@@ -358,6 +388,11 @@ class Calibrator:
             progress: show a progress bar with the loss range and converged count.
             key: a `jax.random` key kept (and checkpointed) with the fit state.
             resume: False deletes the directory's checkpoints and starts over.
+            slots: run at most this many fits at once (None: all of them): when a
+                slot's fit stops (converged, step cap, failed) the slot takes the next
+                start, lowest index first. Each start's result is the one it gets in
+                any number of slots (its own steps, history, refreshes and minibatch
+                draws); checkpoints hold every start, so a fit resumes with any slots.
 
         Returns:
             A `FitResult`.
@@ -382,13 +417,14 @@ class Calibrator:
             >>> more.resumed_from, more.updates, more.history.shape
             (20, 30, (30, 2))
         """
-        B, K = self._check_theta(theta0, steps)
+        S, K = self._check_theta(theta0, steps)
+        B = _check_slots(slots, S)
         tol, grad_tol = _check_tol("tol", tol), _check_tol("grad_tol", grad_tol)
         steps = int(steps)
         u0 = _transforms.apply(self.transform, theta0, "inverse")
         _check_domain(self.transform, theta0, u0)
         u, static = eqx.partition(_strong(u0), eqx.is_inexact_array)
-        state = _strong(self._initial_state(u, static, B, K, steps, key))
+        state = _strong(self._initial_state(u, static, S, K, steps, key))
         store = resumed_from = meta = None
         if self.checkpoint_dir is not None:
             meta = {"gradsolve": __version__,
@@ -411,20 +447,34 @@ class Calibrator:
         cap = jnp.asarray(steps, jnp.int32)
         done = int(state.update)
         saved = done if resumed_from is not None else None
-        bar = _progress(progress, steps, done)
+        queue = B < S
+        bar = _progress(progress, S if queue else steps,
+                        int(np.sum(~np.asarray(state.active))) if queue else done, queue)
         if resumed_from is not None:
             _say(bar, f"gradsolve: resumed from checkpoint step {resumed_from} in "
                       f"{self.checkpoint_dir} ({done} updates done, cap {steps})")
+        window = None
         try:
             try:
-                while done < steps and bool(jnp.any(state.active)):
-                    new = self._step(self._maybe_refresh(state, static, K, done), static,
-                                     tol, grad_tol, cap)
-                    new.history[done] = np.asarray(new.loss)
-                    state, done = new, done + 1
-                    _show(bar, state, B)
+                while True:
+                    state, window = self._fill(state, window, K, B)
+                    if window is None or not np.asarray(window.state.active).any():
+                        break  # no start left to run
+                    window = self._maybe_refresh(window, state.drift, static, K)
+                    before = np.asarray(window.state.active)
+                    if not before.any():  # every slot's refresh failed: fill them again
+                        continue
+                    at = np.asarray(window.state.steps)
+                    window = window._replace(state=self._step(window, static, tol,
+                                                              grad_tol, cap))
+                    # A fit's history row t is its loss at its update t.
+                    state.history[at[before], window.start[before]] = \
+                        np.asarray(window.state.loss)[before]
+                    done += 1
+                    _show(bar, state, window, queue)
                     if store is not None and self.checkpoint_every \
                             and done % self.checkpoint_every == 0:
+                        state = self._flush(state, window)
                         store.save(done, state._asdict(), meta)
                         saved = done
             except (jax.errors.JaxRuntimeError, ValueError) as err:
@@ -434,10 +484,14 @@ class Calibrator:
                 if not ("callback" in str(err) and "KeyboardInterrupt" in str(err)):
                     raise
                 raise KeyboardInterrupt from err
+            if window is not None:
+                state = self._flush(state, window)
             if store is not None and saved != done and done > 0:
                 store.save(done, state._asdict(), meta)
                 saved = done
         except KeyboardInterrupt:
+            if window is not None:
+                state = self._flush(state, window)
             done = int(state.update)
             how = "nothing saved (no checkpoint_dir)"
             if done == 0:
@@ -463,7 +517,8 @@ class Calibrator:
         return FitResult.from_state(state, theta, self.engine, FitStatus,
                                     resumed_from=resumed_from)
 
-    def profile(self, res, name, grid, steps=400, tol=None, grad_tol=None, progress=True):
+    def profile(self, res, name, grid, steps=400, tol=None, grad_tol=None, progress=True,
+                slots=None):
         """The profile likelihood of one parameter, all grid points as one batched job.
 
         At each value of `grid` the parameter `name` (a leaf of theta holding one
@@ -476,7 +531,8 @@ class Calibrator:
             res: a `FitResult` of this Calibrator (a multistart, say).
             name: the profiled leaf, by name as in `res.table()` (`"k"`, `"rates.k1"`).
             grid: the values to fix it at (constrained space).
-            steps, tol, grad_tol, progress: as `fit`, for the re-optimisations.
+            steps, tol, grad_tol, progress, slots: as `fit`, for the re-optimisations
+                (`slots` bounds how many grid points run at once).
 
         Returns:
             A `FitResult` with one fit per grid point (`theta[name]` is the grid),
@@ -516,13 +572,14 @@ class Calibrator:
         jobs.optimizer = optax.chain(self.optimizer, optax.masked(optax.set_to_zero(), hold))
         jobs._ys = self._engine.ys_function(prob, self.config, "reverse")
         jobs._update = eqx.filter_jit(jobs._update_impl)
-        return jobs.fit(theta0, steps=steps, tol=tol, grad_tol=grad_tol, progress=progress)
+        return jobs.fit(theta0, steps=steps, tol=tol, grad_tol=grad_tol, progress=progress,
+                        slots=slots)
 
-    def _step(self, state, static, tol, grad_tol, cap):
-        """One compiled update; the host-side history stays out of the compiled code."""
-        new = self._update(state._replace(history=None, drift=None), static,
-                           self._mesh(state.mesh), self.data, tol, grad_tol, cap)
-        return new._replace(history=state.history, drift=state.drift)
+    def _step(self, window, static, tol, grad_tol, cap):
+        """One compiled update of the slots' fits."""
+        return self._update(window.state, static, self._mesh(window.state.mesh),
+                            window.data, window.y0, jax.device_put(window.start),
+                            tol, grad_tol, cap)
 
     def _check_theta(self, theta0, steps):
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
@@ -618,40 +675,188 @@ class Calibrator:
                 f"as in the problem): "
                 + "; ".join(parts))
 
-    def _initial_state(self, u, static, B, K, steps, key):
-        mesh, ok = self._record(u, static, K)
-        active = jnp.ones(B, bool) if ok is None else jnp.asarray(ok)
-        status = jnp.where(active, FitStatus.RUNNING, FitStatus.RECORD_FAILED).astype(jnp.int32)
+    def _initial_state(self, u, static, S, K, steps, key):
+        """The state of S starts, every one recorded at its theta0 (so the mesh width,
+        and with it the compiled update, is fixed before the first update) and queued
+        for a slot, or failed."""
+        mesh, ok = self._record(u, static, K, self.problem.y0)
+        ok = np.ones(S, bool) if ok is None else ok
         dtype = self.problem.y0.dtype
-        return FitState(
-            u=u, opt_state=jax.vmap(self.optimizer.init)(u), active=active, status=status,
-            steps=jnp.zeros(B, jnp.int32), loss=jnp.full(B, jnp.nan, dtype),
-            grad_norm=jnp.full(B, jnp.nan, dtype),
-            history=np.full((steps, B), np.nan, dtype), drift=np.full(steps, np.nan, dtype),
-            update=jnp.asarray(0, jnp.int32), refreshes=jnp.asarray(0, jnp.int32),
+        return jax.device_put(FitState(
+            u=u, opt_state=jax.vmap(self.optimizer.init)(u), active=ok,
+            status=np.where(ok, FitStatus.QUEUED, FitStatus.RECORD_FAILED).astype(np.int32),
+            steps=np.zeros(S, np.int32), loss=np.full(S, np.nan, dtype),
+            grad_norm=np.full(S, np.nan, dtype), history=None, drift=None,
+            update=np.asarray(0, np.int32), refreshes=np.asarray(0, np.int32),
             key=jax.random.key_data(jax.random.key(0)) if key is None else jax.random.key_data(key),
-            mesh=_mesh_arrays(mesh))
+            mesh=_mesh_arrays(mesh)))._replace(history=np.full((steps, S), np.nan, dtype),
+                                               drift=np.full((steps, S), np.nan, dtype))
 
-    def _maybe_refresh(self, state, static, K, done):
-        if state.mesh is None or done == 0:
-            return state
-        due = self.refresh_every is not None and done % self.refresh_every == 0
-        check = self.drift_every is not None and done % self.drift_every == 0
-        if not (due or check):
-            return state
-        current = self._mesh(state.mesh)
-        fresh, ok = self._record(state.u, static, K, current.columns)
-        if check:
-            drift = self._drift(current, fresh, state.u, static, K)
-            state.drift[done] = drift
-            due = due or drift > self.drift_tol
-        if not due:
-            return state
-        failed = state.active & ~jnp.asarray(ok)
-        return state._replace(
-            mesh=_mesh_arrays(fresh), refreshes=state.refreshes + 1,
-            active=state.active & ~failed,
-            status=jnp.where(failed, FitStatus.RECORD_FAILED, state.status).astype(jnp.int32))
+    # -- the slots: which starts the compiled update runs on ---------------------------
+
+    def _fill(self, state, window, K, B):
+        """Slots whose fit has stopped take the next queued starts, lowest index first.
+        Returns the state with the stopped fits written back, and the window (None if
+        no start is left to run; none of its fits active once all have stopped)."""
+        S = state.active.shape[0]
+        waiting = np.asarray(state.active).copy()
+        if window is None:  # the first fill (or after a restore): active starts in order
+            free, start = np.arange(B), np.full(B, -1, np.int32)
+        else:
+            free, start = np.flatnonzero(~np.asarray(window.state.active)), window.start.copy()
+            waiting[window.start] = False  # the slots' own fits, running or stopped
+        queue = np.flatnonzero(waiting)
+        if window is None and not queue.size:
+            return state, None
+        if window is not None and (not free.size or not queue.size):
+            return state, window
+        if window is not None:  # the stopped fits back into the state
+            state = self._flush(state, window, free)
+        take = queue[:free.size]
+        start[free[:take.size]] = take
+        if window is None:
+            # Slots no start takes hold a stopped fit, inactive: a placeholder.
+            start[free[take.size:]] = np.setdiff1d(np.arange(S), take)[:B - take.size]
+        entering = np.isin(np.arange(B), free[:take.size])
+        window = self._gather(state, window, start, entering, K)
+        status = np.asarray(window.state.status)
+        status = np.where(entering & (status == FitStatus.QUEUED), FitStatus.RUNNING, status)
+        return state, window._replace(state=window.state._replace(
+            status=jax.device_put(status.astype(np.int32))))
+
+    def _gather(self, state, window, start, entering, K):
+        """The window with slots `entering` loaded from the state's starts `start`."""
+        rows = np.repeat(start * K, K) + np.tile(np.arange(K), start.size)
+        fits = {f: _rows(getattr(state, f), start) for f in _FIT_FIELDS}
+        mesh = state.mesh
+        if mesh is not None:
+            mesh = dict(mesh, **{k: _rows(mesh[k], rows) for k in _ROW_FIELDS})
+        new = state._replace(history=None, drift=None, mesh=mesh, **fits)
+        if window is not None:  # the slots that keep their fit keep the window's copy
+            new = _select(entering, K, new, window.state)
+        y0 = jax.device_put(np.asarray(self.problem.y0)[rows])
+        data = None if self.data is None else jax.tree.map(
+            lambda d: jax.device_put(np.asarray(d)[start]), self.data)
+        return _Window(start=start.copy(), state=new, y0=y0, data=data)
+
+    def _flush(self, state, window, slots=None):
+        """The state with the window's fits in `slots` (default all) written back;
+        the counters are the window's."""
+        ws = window.state
+        S, B = state.active.shape[0], ws.active.shape[0]
+        counters = dict(update=ws.update, refreshes=ws.refreshes)
+        if B == S and slots is None and (window.start == np.arange(S)).all():
+            return ws._replace(history=state.history, drift=state.drift, **counters)
+        slots = np.arange(B) if slots is None else np.asarray(slots)
+        K = window.y0.shape[0] // B
+        to, at = window.start[slots], slots
+        fits = {f: _put(getattr(state, f), to, getattr(ws, f), at) for f in _FIT_FIELDS}
+        mesh = state.mesh
+        if mesh is not None:
+            to_rows = np.repeat(to * K, K) + np.tile(np.arange(K), to.size)
+            at_rows = np.repeat(at * K, K) + np.tile(np.arange(K), at.size)
+            mesh = dict(mesh, **{k: _put(mesh[k], to_rows, ws.mesh[k], at_rows)
+                                 for k in _ROW_FIELDS})
+        return state._replace(mesh=mesh, **fits, **counters)
+
+    def _maybe_refresh(self, window, drift, static, K):
+        """Re-record where a running fit's own update count is due (`refresh_every`),
+        or its drift check (`drift_every`) finds its mesh stale: those fits take their
+        rows of a record of the slots at the current parameters; the others keep
+        theirs."""
+        ws = window.state
+        if ws.mesh is None or (self.refresh_every is None and self.drift_every is None):
+            return window
+        steps = np.asarray(ws.steps)
+        live = np.asarray(ws.active) & (steps > 0)
+        due = live & (steps % (self.refresh_every or np.iinfo(np.int32).max) == 0)
+        check = live & (steps % (self.drift_every or np.iinfo(np.int32).max) == 0)
+        if not (due | check).any():
+            return window
+        current = self._mesh(ws.mesh)
+        fresh, ok = self._record(ws.u, static, K, window.y0, current.columns)
+        if check.any():
+            change = self._drift(current, fresh, ws.u, static, K, window.y0)
+            drift[steps[check], window.start[check]] = change[check]
+            due = due | (check & (change > self.drift_tol))
+        if not due.any():
+            return window
+        failed = due & ~ok
+        return window._replace(state=ws._replace(
+            mesh=_adopt(ws.mesh, fresh, due, K), refreshes=ws.refreshes + 1,
+            active=jax.device_put(np.asarray(ws.active) & ~failed),
+            status=jax.device_put(np.where(failed, FitStatus.RECORD_FAILED,
+                                           np.asarray(ws.status)).astype(np.int32))))
+
+
+_FIT_FIELDS = ("u", "opt_state", "active", "status", "steps", "loss", "grad_norm")
+_ROW_FIELDS = ("h", "n_steps", "n_rejected", "status")
+
+
+def _check_slots(slots, S):
+    if slots is None:
+        return S
+    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1:
+        raise ValueError(f"slots must be None or a positive integer, got {slots!r}")
+    return min(int(slots), S)
+
+
+def _widths(a, b):
+    """Two `h` arrays padded with zero columns to the wider one's width."""
+    cols = max(a.shape[1], b.shape[1])
+    return tuple(np.pad(x, ((0, 0), (0, cols - x.shape[1]))) for x in (a, b))
+
+
+def _rows(tree, rows):
+    """Rows `rows` of every leaf, in NumPy (`jnp` indexing compiles once per shape)."""
+    return jax.tree.map(lambda x: jax.device_put(np.asarray(x)[rows]), tree)
+
+
+def _put(tree, to, new, at):
+    """`tree` with its rows `to` replaced by `new`'s rows `at` (h widened to fit)."""
+    def put(x, y):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.ndim == 2 and x.shape[1] != y.shape[1]:  # a mesh's h
+            x, y = _widths(x, y)
+        x = x.copy()
+        x[to] = y[at]
+        return jax.device_put(x)
+    return jax.tree.map(put, tree, new)
+
+
+def _select(fits, K, new, old):
+    """Per slot, `new`'s fit where `fits`, else `old`'s (mesh rows likewise)."""
+    def pick(mask):
+        def one(a, b):
+            a, b = np.asarray(a), np.asarray(b)
+            if a.ndim == 2 and b.ndim == 2 and a.shape[1] != b.shape[1]:
+                a, b = _widths(a, b)
+            return jax.device_put(np.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)),
+                                           a, b))
+        return one
+    fields = {f: jax.tree.map(pick(fits), getattr(new, f), getattr(old, f))
+              for f in _FIT_FIELDS}
+    mesh = new.mesh
+    if mesh is not None:
+        rows = np.repeat(fits, K)
+        mesh = dict(mesh, **{k: pick(rows)(new.mesh[k], old.mesh[k]) for k in _ROW_FIELDS})
+    return new._replace(mesh=mesh, **fields)
+
+
+def _adopt(arrays, fresh, fits, K):
+    """The mesh arrays with fits `fits`' rows taken from the record `fresh`, as wide as
+    those rows need (`padded_width`), at least the current width."""
+    rows = np.repeat(fits, K)
+    out = dict(arrays)
+    need = padded_width(int(np.asarray(fresh.n_steps)[rows].max()))
+    for k in _ROW_FIELDS:
+        old, new = np.asarray(arrays[k]), np.asarray(getattr(fresh, k))
+        if k == "h":  # beyond a row's steps its h is zero: cut to what the rows need
+            new = new[:, :max(need, old.shape[1])]
+            old, new = _widths(old, new)
+        out[k] = jax.device_put(np.where(rows.reshape((-1,) + (1,) * (old.ndim - 1)),
+                                         new, old))
+    return out
 
 
 def _take_rows(params, rows):
@@ -665,22 +870,23 @@ def _leaf_at(tree, path):
 
 
 def _continued(state: FitState, steps: int) -> FitState:
-    """A restored state made ready for a cap of `steps`: the host history grown to
-    it, and fits that stopped only at the old cap running again. In NumPy, and handed
-    back as fresh (uncommitted) arrays: Orbax's arrays are committed to a device,
-    which `jit` keys apart, so they would recompile the update once more."""
+    """A restored state made ready for a cap of `steps`: the host history and drift
+    grown to it, and fits that stopped only at the old cap running again. In NumPy, and
+    handed back as fresh (uncommitted) arrays: Orbax's arrays are committed to a
+    device, which `jit` keys apart, so they would recompile the update once more."""
     state = jax.tree.map(np.asarray, state)
-    rows = max(steps, state.history.shape[0])
-    history = np.full((rows,) + state.history.shape[1:], np.nan, state.history.dtype)
-    history[:state.history.shape[0]] = state.history
-    drift = np.full(rows, np.nan, state.drift.dtype)
-    drift[:state.drift.shape[0]] = state.drift
+
+    def grown(a):
+        out = np.full((max(steps, a.shape[0]),) + a.shape[1:], np.nan, a.dtype)
+        out[:a.shape[0]] = a
+        return out
     again = (state.status == FitStatus.STEP_CAP) & (state.steps < steps)
     state = state._replace(active=state.active | again,
                            status=np.where(again, FitStatus.RUNNING, state.status)
                            .astype(state.status.dtype))
     # device_put, not jnp.asarray: the latter compiles a copy per shape in this JAX.
-    return jax.device_put(state)._replace(history=history, drift=drift)
+    return jax.device_put(state)._replace(history=grown(state.history),
+                                          drift=grown(state.drift))
 
 
 def _strong(tree):
@@ -767,16 +973,24 @@ def _check_domain(transform, theta0, u0):
                 f"(fits {np.flatnonzero(bad)[:10].tolist()})")
 
 
-def _show(bar, state, B):
+def _show(bar, state, window, queue):
+    """The bar after an update: the slots' loss range and, over all starts, how many
+    converged; with a queue it counts the starts that have stopped."""
     if bar is None:
         return
-    bar.update(1)
-    loss = np.asarray(state.loss)
+    status, active = np.asarray(state.status).copy(), np.asarray(state.active).copy()
+    status[window.start] = np.asarray(window.state.status)
+    active[window.start] = np.asarray(window.state.active)
+    if queue:
+        bar.update(int(np.sum(~active)) - bar.n)
+    else:
+        bar.update(1)
+    loss = np.asarray(window.state.loss)
     finite = loss[np.isfinite(loss)]
     bar.set_postfix_str(f"loss {finite.min():.3g}..{finite.max():.3g}" if finite.size
                         else "loss n/a", refresh=False)
-    n_conv = int(np.sum(np.asarray(state.status) == FitStatus.CONVERGED))
-    bar.set_description(f"converged {n_conv}/{B}")
+    bar.set_description(f"converged {int(np.sum(status == FitStatus.CONVERGED))}/"
+                        f"{status.size}")
 
 
 def _say(bar, message):
@@ -786,7 +1000,8 @@ def _say(bar, message):
         print(message, file=sys.stderr)
 
 
-def _progress(enabled, total, initial):
+def _progress(enabled, total, initial, queue=False):
     if not enabled:
         return None
-    return tqdm(total=total, initial=initial, unit="update", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, unit="start" if queue else "update",
+                dynamic_ncols=True)

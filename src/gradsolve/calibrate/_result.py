@@ -38,12 +38,13 @@ class FitResult:
         status: `(B,)` `FitStatus` codes (converged, step cap, non-finite, record
             failed, running).
         steps: `(B,)` updates applied to each fit.
-        history: `(steps, B)` loss at every update (NaN where the loop had stopped).
+        history: `(steps, B)` each fit's loss at each of its updates (NaN once it stopped).
         grad_norm: `(B,)` last gradient norm.
         refreshes: how many times the mesh was re-recorded.
-        drift: `{update: relative change}` from the drift checks.
+        drift: `{update: relative change}` from the drift checks (a fit checks at its
+            own update counts; the figure is the largest among the fits checked).
         engine: the engine that computed the gradients.
-        updates: loop iterations run.
+        updates: updates of the slots run (with a start queue, more than any fit's steps).
         state: the final `FitState` (parameters in unconstrained space, optimizer
             state, mesh): what a checkpoint holds.
         resumed_from: the checkpoint step this fit resumed from (None: a fresh start).
@@ -67,13 +68,14 @@ class FitResult:
     @classmethod
     def from_state(cls, state, theta, engine, statuses, resumed_from=None):
         status = np.asarray(state.status)
-        drift = np.asarray(state.drift)
+        drift = np.asarray(state.drift).reshape(len(state.drift), -1)
+        checked = np.isfinite(drift).any(axis=1)
         return cls(
             theta=theta, loss=np.asarray(state.loss),
             converged=status == statuses.CONVERGED, status=status,
             steps=np.asarray(state.steps), history=np.asarray(state.history),
             grad_norm=np.asarray(state.grad_norm), refreshes=int(state.refreshes),
-            drift={int(i): float(drift[i]) for i in np.flatnonzero(np.isfinite(drift))},
+            drift={int(i): float(np.nanmax(drift[i])) for i in np.flatnonzero(checked)},
             engine=engine, updates=int(state.update),
             status_names=tuple(statuses(int(s)).name.lower() for s in status),
             state=state, resumed_from=resumed_from)
