@@ -15,6 +15,7 @@ from helpers import rel_err
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "recipes"))
 
 import galactic_halo  # noqa: E402
+import multistart  # noqa: E402
 import neural_robertson  # noqa: E402
 import neural_spiral  # noqa: E402
 import robertson_rates  # noqa: E402
@@ -89,3 +90,20 @@ def test_neural_spiral_training_lowers_the_loss():
                         rtol=1e-5, atol=1e-8, optimizer=optax.adam(1e-2))
     res = cal.fit(theta0, steps=40, progress=False)
     assert res.updates == 40 and res.loss[0] < 0.7 * res.history[0, 0]
+
+
+def test_multistart_recipe_runs_end_to_end_through_a_start_queue(tmp_path, capsys):
+    # The recipe at small sizes (4 starts through 2 slots, 30 updates each; a 3-point
+    # profile through the 2 slots; the SciPy fit): it runs, every start is worked
+    # through the queue, and the plots, the saved result and the comparison come out.
+    # (Its full run -- 32 starts, SciPy's optimum to 5e-5 -- is in docs/calibrator.md;
+    # the multistart-vs-SciPy check at test size is tests/test_workflow.py's.)
+    res, prof = multistart.main(["--starts", "4", "--slots", "2", "--steps", "30",
+                                 "--profile-points", "3", "--profile-steps", "5",
+                                 "--out", str(tmp_path), "--no-progress"])
+    assert res.history.shape == (30, 4) and res.updates >= 60
+    assert prof.loss.shape == (3,)
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "multistart.npz", "multistart_waterfall.png", "multistart_profile_alpha.png"}
+    out = capsys.readouterr().out
+    assert "4 starts through 2 slots" in out and "SciPy" in out and "profile of alpha" in out
