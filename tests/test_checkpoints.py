@@ -179,7 +179,7 @@ def test_two_processes_on_one_directory(tmp_path):
 
 
 def test_kill_9_at_random_moments_resumes_bit_identically(tmp_path, reference):
-    # kill -9 ten times: five at random moments of a run, five the instant a save is
+    # kill -9 six times: three at random moments of a run, three the instant a save is
     # under way (Orbax's temporary step directory exists). Then let it finish: the
     # final state equals the uninterrupted fit's bit for bit and no good step was set
     # aside. Each process resumes from the previous one's checkpoints (refresh every
@@ -187,7 +187,7 @@ def test_kill_9_at_random_moments_resumes_bit_identically(tmp_path, reference):
     ckpt, out = tmp_path / "fit", tmp_path / "out.npz"
     rng = np.random.default_rng(0)
     mid_save = kills = 0
-    for trial in range(10):
+    for trial in range(6):
         proc = subprocess.Popen([sys.executable, str(WORKER), str(ckpt), str(out),
                                  "--steps", str(STEPS)],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -208,7 +208,7 @@ def test_kill_9_at_random_moments_resumes_bit_identically(tmp_path, reference):
                             "--steps", str(STEPS)], capture_output=True, text=True,
                            timeout=300)
     assert final.returncode == 0, final.stderr
-    assert kills == 10 and mid_save >= 1  # every run was killed, some inside a save
+    assert kills == 6 and mid_save >= 1  # every run was killed, some inside a save
     print(f"kills {kills}, inside a save {mid_save}")
     assert set_aside(ckpt) == []
     saved = np.load(out)
