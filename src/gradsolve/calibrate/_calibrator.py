@@ -58,6 +58,12 @@ class FitStatus(enum.IntEnum):
     QUEUED = 5  # recorded, waiting for a slot (`fit(..., slots=)`)
 
 
+# What a checkpointed FitState means, part of the fingerprint: 2 counts every fit's own
+# updates (history and drift per fit, minibatch keys per start) -- a format-1 state
+# (one global update count) would resume into different draws and refreshes.
+STATE_FORMAT = 2
+
+
 class FitState(NamedTuple):
     """Everything a fit needs to continue: arrays only (it is what is checkpointed).
 
@@ -359,7 +365,7 @@ class Calibrator:
             "dtype": str(prob.y0.dtype), "B": int(B), "K": int(K),
             "refresh_every": self.refresh_every, "drift_every": self.drift_every,
             "drift_tol": self.drift_tol, "tol": tol, "grad_tol": grad_tol,
-            "batch_size": self.batch_size,
+            "batch_size": self.batch_size, "state_format": STATE_FORMAT,
             "theta0": checksum(eqx.filter(theta0, eqx.is_array))[:16],
             "data": checksum(self.data)[:16],
             "loss": _jaxpr_hash(loss_jaxpr), "optimizer": _jaxpr_hash(opt_jaxpr)}
@@ -925,7 +931,8 @@ def _jaxpr_hash(closed) -> str:
 _FINGERPRINT_NAMES = {
     "loss": "the traced loss (loss, f_jax, to_params, to_y0 or transform)",
     "optimizer": "the optimizer (its kind or its constants, e.g. the learning rate)",
-    "data": "the data", "theta0": "theta0", "y0": "the problem's y0"}
+    "data": "the data", "theta0": "theta0", "y0": "the problem's y0",
+    "state_format": "the fit state's format (the checkpoint is from an older gradsolve)"}
 
 
 def _check_meta(expected, directory, found):
