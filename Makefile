@@ -8,6 +8,10 @@ STAMP := $(VENV)/.installed
 
 # Installs the exact versions the tests last passed with (constraints.txt; its header
 # says how to refresh it); pyproject.toml keeps the ranges the library supports.
+# pip compiles every package's bytecode here (44 s of the setup on 2 cores): without it
+# (--no-compile) an environment with PYTHONDONTWRITEBYTECODE=1, as this machine's is,
+# compiles jax's sources again in every interpreter the tests start (the fresh-clone
+# suite measured 8 min 54 s and 10 min 42 s with it, 7 min 52 s to 8 min 16 s without).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
