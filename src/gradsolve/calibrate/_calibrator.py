@@ -732,15 +732,16 @@ class Calibrator:
 
     def _gather(self, state, window, start, entering, K):
         """The window with slots `entering` loaded from the state's starts `start`."""
-        rows = np.repeat(start * K, K) + np.tile(np.arange(K), start.size)
-        fits = {f: _rows(getattr(state, f), start) for f in _FIT_FIELDS}
-        mesh = state.mesh
-        if mesh is not None:
-            mesh = dict(mesh, **{k: _rows(mesh[k], rows) for k in _ROW_FIELDS})
-        new = state._replace(history=None, drift=None, mesh=mesh, **fits)
-        if window is not None:  # the slots that keep their fit keep the window's copy
-            new = _select(entering, K, new, window.state)
-        y0 = jax.device_put(np.asarray(self.problem.y0)[rows])
+        if window is None:
+            rows = _trajectories(start, K)
+            mesh = None if state.mesh is None else dict(
+                state.mesh, **{k: _rows(state.mesh[k], rows) for k in _ROW_FIELDS})
+            new = state._replace(history=None, drift=None, mesh=mesh,
+                                 **{f: _rows(getattr(state, f), start) for f in _FIT_FIELDS})
+        else:  # the slots that keep their fit keep the window's copy
+            at = np.flatnonzero(entering)
+            new = _moved(window.state, at, state, start[at], K)
+        y0 = jax.device_put(np.asarray(self.problem.y0)[_trajectories(start, K)])
         data = None if self.data is None else jax.tree.map(
             lambda d: jax.device_put(np.asarray(d)[start]), self.data)
         return _Window(start=start.copy(), state=new, y0=y0, data=data)
@@ -755,15 +756,7 @@ class Calibrator:
             return ws._replace(history=state.history, drift=state.drift, **counters)
         slots = np.arange(B) if slots is None else np.asarray(slots)
         K = window.y0.shape[0] // B
-        to, at = window.start[slots], slots
-        fits = {f: _put(getattr(state, f), to, getattr(ws, f), at) for f in _FIT_FIELDS}
-        mesh = state.mesh
-        if mesh is not None:
-            to_rows = np.repeat(to * K, K) + np.tile(np.arange(K), to.size)
-            at_rows = np.repeat(at * K, K) + np.tile(np.arange(K), at.size)
-            mesh = dict(mesh, **{k: _put(mesh[k], to_rows, ws.mesh[k], at_rows)
-                                 for k in _ROW_FIELDS})
-        return state._replace(mesh=mesh, **fits, **counters)
+        return _moved(state, window.start[slots], ws, slots, K)._replace(**counters)
 
     def _maybe_refresh(self, window, drift, static, K):
         """Re-record where a running fit's own update count is due (`refresh_every`),
@@ -775,8 +768,10 @@ class Calibrator:
             return window
         steps = np.asarray(ws.steps)
         live = np.asarray(ws.active) & (steps > 0)
-        due = live & (steps % (self.refresh_every or np.iinfo(np.int32).max) == 0)
-        check = live & (steps % (self.drift_every or np.iinfo(np.int32).max) == 0)
+
+        def every(n):
+            return live & (steps % n == 0) if n is not None else np.zeros_like(live)
+        due, check = every(self.refresh_every), every(self.drift_every)
         if not (due | check).any():
             return window
         current = self._mesh(ws.mesh)
@@ -830,23 +825,21 @@ def _put(tree, to, new, at):
     return jax.tree.map(put, tree, new)
 
 
-def _select(fits, K, new, old):
-    """Per slot, `new`'s fit where `fits`, else `old`'s (mesh rows likewise)."""
-    def pick(mask):
-        def one(a, b):
-            a, b = np.asarray(a), np.asarray(b)
-            if a.ndim == 2 and b.ndim == 2 and a.shape[1] != b.shape[1]:
-                a, b = _widths(a, b)
-            return jax.device_put(np.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)),
-                                           a, b))
-        return one
-    fields = {f: jax.tree.map(pick(fits), getattr(new, f), getattr(old, f))
-              for f in _FIT_FIELDS}
-    mesh = new.mesh
+def _trajectories(fits, K):
+    """The ensemble rows of fits `fits` (K trajectories each)."""
+    return np.repeat(np.asarray(fits) * K, K) + np.tile(np.arange(K), np.size(fits))
+
+
+def _moved(dst, to, src, at, K):
+    """The FitState `dst` with its fits `to` (and their mesh rows) replaced by `src`'s
+    fits `at`: a window's fits into the state, or the state's starts into a window."""
+    fits = {f: _put(getattr(dst, f), to, getattr(src, f), at) for f in _FIT_FIELDS}
+    mesh = dst.mesh
     if mesh is not None:
-        rows = np.repeat(fits, K)
-        mesh = dict(mesh, **{k: pick(rows)(new.mesh[k], old.mesh[k]) for k in _ROW_FIELDS})
-    return new._replace(mesh=mesh, **fields)
+        to_rows, at_rows = _trajectories(to, K), _trajectories(at, K)
+        mesh = dict(mesh, **{k: _put(mesh[k], to_rows, src.mesh[k], at_rows)
+                             for k in _ROW_FIELDS})
+    return dst._replace(mesh=mesh, **fits)
 
 
 def _adopt(arrays, fresh, fits, K):
