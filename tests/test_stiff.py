@@ -13,6 +13,7 @@ import json
 import pathlib
 
 import diffrax
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -217,3 +218,19 @@ def test_vern7_on_lorenz_matches_a_tight_reference_and_dopri8_gradient():
     assert rel_err_componentwise(gs.replay(prob, vg.mesh), tight) < 1.5e-9
     assert rel_err(value, ref_value) < 3e-11
     assert max(rel_err_componentwise(g[k], ref_g[k]) for k in g) < 1e-9
+
+
+def test_masked_stiff_trajectory_gives_zero_not_nan(robertson):
+    """A masked trajectory is replayed on an all-zero mesh from its y0. The discarded
+    steps were evaluated at a unit step, which from Robertson's y0 overflows: the
+    zero cotangent through the untaken branch then made NaN gradients. Now they are
+    evaluated at a small step: exactly zero for the masked row, and the other rows'
+    gradients are those of the unmasked replay."""
+    prob, mesh = robertson
+    failed = eqx.tree_at(lambda m: m.status, mesh,
+                         mesh.status.at[0].set(gs.Status.MAX_STEPS))
+    _, full = gs.value_and_grad(prob, robertson_loss, mesh=mesh)()
+    _, masked = gs.value_and_grad(prob, robertson_loss, mesh=failed, on_failure="mask")()
+    for name in ("k1", "k2", "k3"):
+        assert masked[name][0] == 0.0
+        np.testing.assert_array_equal(masked[name][1:], full[name][1:])

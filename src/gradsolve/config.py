@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from . import methods
+from . import layout, methods
 from .methods._rosenbrock import uses_time
 from .problem import trajectory_params
 
@@ -26,6 +26,9 @@ class Config:
     ts: Any = None
     remat: Any = None
     interpolate: bool = False
+    devices: Any = None          # the 1-D device mesh of the ensemble axis (layout.py)
+    memory_budget: int | None = None  # bytes per device (None: not chunked)
+    buckets: int | None = None   # replay buckets (None: layout.arrange's rule)
 
 
 def check_tolerances(rtol, atol):
@@ -89,8 +92,10 @@ def check_interpolate(method, interpolate):
 
 
 def make_config(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STEPS,
-                ts=None, remat=None, interpolate=False) -> Config:
-    """Validate every setting against `prob` and return a `Config`."""
+                ts=None, remat=None, interpolate=False, devices=None, memory_budget=None,
+                buckets=None, splits=True) -> Config:
+    """Validate every setting against `prob` and return a `Config`. `splits`: the
+    engine runs on several devices (else the default `devices=None` means one)."""
     rtol, atol = check_tolerances(rtol, atol)
     method = methods.default_for(prob.stiff) if method is None else method
     m = check_method(prob, method)
@@ -101,4 +106,7 @@ def make_config(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STE
         raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
     return Config(rtol=rtol, atol=atol, method=method, dt0=check_dt0(dt0, prob.n),
                   max_steps=int(max_steps), ts=check_ts(ts, prob.t_span), remat=bool(remat),
-                  interpolate=bool(interpolate))
+                  interpolate=bool(interpolate),
+                  devices=layout.device_mesh(devices, prob.n) if splits or devices is not None
+                  else None,
+                  memory_budget=layout.budget_bytes(memory_budget), buckets=layout.check_buckets(buckets))

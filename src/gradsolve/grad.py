@@ -15,9 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import layout
 from .config import DEFAULT_MAX_STEPS
 from .engines import recorder_of
 from .mesh import Mesh
+from .record import record_rows
 from .problem import _is_shared, as_problem
 from .router import plan
 from .status import TrajectoryFailure, summarize
@@ -89,11 +91,18 @@ def _forward(ys_of, loss_of, x, per_traj):
     return value, grads
 
 
-def _value_and_grad(ys_function, loss, wrt, mode, mesh, params, y0):
+def _value_and_grad(ys_function, loss, wrt, mode, mesh, params, y0, arr=None):
+    return layout.replicated(_value_and_grad_of(ys_function, loss, wrt, mode, mesh, params,
+                                                y0, arr), arr)
+
+
+def _value_and_grad_of(ys_function, loss, wrt, mode, mesh, params, y0, arr):
     x, merge = _split(wrt, params, y0)
 
     def ys_of(x):
-        return ys_function(mesh, *merge(x))
+        if arr is None:
+            return ys_function(mesh, *merge(x))
+        return layout.run(ys_function, arr, mesh, *merge(x))
 
     if mode == "reverse":
         def objective(x):
@@ -133,8 +142,17 @@ class ValueAndGrad:
         if mesh is not None:
             self.mesh = self._check_mesh(mesh)
         else:
-            self.mesh = self._engine.record(prob, cfg) if self._engine.serves("record") else None
+            self.mesh = record_rows(self._engine, prob, cfg) \
+                if self._engine.serves("record") else None
         self._check_status()
+        self._arrange()
+
+    def _arrange(self):
+        """Where each trajectory is replayed: devices, buckets, chunks (layout.py); None
+        for an engine that does not split (it runs the whole ensemble itself)."""
+        self.arrangement = None if not self._engine.splits else layout.for_replay(
+            self.mesh, self.problem.n, self.config, self.problem.d,
+            self.problem.y0.dtype.itemsize)
 
     def _check_mesh(self, mesh):
         if not isinstance(mesh, Mesh):
@@ -159,7 +177,7 @@ class ValueAndGrad:
         the structure of params, of y0, or is the pair `(g_params, g_y0)`."""
         params = self.problem.params if params is None else params
         y0 = self.problem.y0 if y0 is None else y0
-        return self._call(self.mesh, params, y0)
+        return self._call(self.mesh, params, y0, self.arrangement)
 
     def rerecord(self, params=None, y0=None) -> "ValueAndGrad":
         """Record a fresh mesh at `params`, `y0` (in place; returns self). It is padded
@@ -167,16 +185,17 @@ class ValueAndGrad:
         if it fits, else to the next of a few fixed widths, so the compiled gradient is
         reused unless the mesh outgrows its width."""
         if self._engine.serves("record"):
-            mesh = self._engine.record(self.problem, self.config, params=params, y0=y0)
+            mesh = record_rows(self._engine, self.problem, self.config, params=params, y0=y0)
             self.mesh = mesh.widened(self.mesh.columns if self.mesh is not None else 0)
             self._check_status()
+            self._arrange()
         return self
 
 
 def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=1e-9,
                    method=None, engine=None, ts=None, remat=None, mesh=None, fused=None,
                    dt0=None, max_steps=DEFAULT_MAX_STEPS, on_failure="raise",
-                   interpolate=False):
+                   interpolate=False, devices=None, buckets=None, memory_budget=None):
     """Record once; return a function computing `loss` and its exact gradient.
 
     The gradient is that of the replay on the recorded mesh, `d Psi(theta;
@@ -206,6 +225,15 @@ def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=
             anything, its own inputs or `Shared` ones, and add `loss`'s value at
             zero states (nothing, for a sum of squared states). Which trajectories
             failed is in `vg.mesh.status`.
+        devices: the devices to split the ensemble over (None: every device of the
+            default backend from `layout.MIN_ROWS_PER_DEVICE` trajectories per device,
+            else one; a number, a sequence of `jax.Device` or a 1-D
+            `jax.sharding.Mesh`): each records and replays its own rows, `gs.Shared`
+            gradients are summed over them (docs/scale.md).
+        buckets: replay the trajectories in this many groups by recorded step count,
+            each at its own width (None: `layout.arrange`'s rule; 1: none).
+        memory_budget: bytes each device may use (`"2GB"`; None: half the memory
+            available); a larger ensemble is recorded and replayed in chunks.
 
     Returns:
         A `gs.ValueAndGrad`: call it as `value, grads = vg(params=..., y0=...)`.
@@ -231,6 +259,7 @@ def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=
     chosen, passed, cfg = plan(prob, gradient=True, engine=engine, method=method,
                                fused=fused, mode=mode, rtol=rtol,
                                atol=atol, dt0=dt0, max_steps=max_steps, ts=ts, remat=remat,
-                               interpolate=interpolate)
+                               interpolate=interpolate, devices=devices, buckets=buckets,
+                               memory_budget=memory_budget)
     return ValueAndGrad(prob, loss, wrt=wrt, mode=mode, engine=chosen, passed=passed,
                         cfg=cfg, mesh=mesh, on_failure=on_failure)

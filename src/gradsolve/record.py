@@ -1,15 +1,22 @@
 """`gs.record`: the routed recorder (the recorder cores are recorder.py, the general
-one, and warp/, the fused one)."""
+one, and warp/, the fused one), and `record_rows`, which runs any engine's recorder
+over this process's rows in memory-bounded chunks."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import layout
 from .config import DEFAULT_MAX_STEPS
 from .engines import with_recorder
 from .mesh import Mesh
-from .problem import as_problem
+from .problem import as_problem, trajectory_params
 from .router import plan
 
 
 def record(prob, *, rtol=1e-6, atol=1e-9, method=None, dt0=None,
-           max_steps=DEFAULT_MAX_STEPS, recorder=None, params=None, y0=None) -> Mesh:
+           max_steps=DEFAULT_MAX_STEPS, recorder=None, params=None, y0=None, devices=None,
+           memory_budget=None) -> Mesh:
     """Record the accepted step sizes of every trajectory (the mesh).
 
     Args:
@@ -24,9 +31,16 @@ def record(prob, *, rtol=1e-6, atol=1e-9, method=None, dt0=None,
             d <= 64, else the general one), `"general"` (the batched JAX recorder) or
             `"fused"` (the Warp recorder).
         params, y0: record at these instead of the problem's own.
+        devices: the devices to split the ensemble over (None: all devices of the
+            default backend from `layout.MIN_ROWS_PER_DEVICE` trajectories per device;
+            a number, a sequence of `jax.Device` or a 1-D `jax.sharding.Mesh`); see
+            docs/scale.md.
+        memory_budget: bytes each device may use (`"2GB"`; None: half the memory
+            available); the general recorder runs larger ensembles in chunks.
 
     Returns:
-        A `gs.Mesh`. Failed trajectories are marked in `mesh.status`, not raised.
+        A `gs.Mesh` (the same on every device split). Failed trajectories are marked
+        in `mesh.status`, not raised.
 
     Examples:
         >>> import gradsolve as gs
@@ -37,7 +51,37 @@ def record(prob, *, rtol=1e-6, atol=1e-9, method=None, dt0=None,
     prob = as_problem(prob)
     engine = None if recorder is None else with_recorder(recorder)
     chosen, _, cfg = plan(prob, gradient=True, engine=engine, method=method, rtol=rtol,
-                          atol=atol, dt0=dt0, max_steps=max_steps)
+                          atol=atol, dt0=dt0, max_steps=max_steps, devices=devices,
+                          memory_budget=memory_budget)
     if not chosen.serves("record"):
         raise ValueError(f"engine {chosen.name!r} does not record a mesh")
-    return chosen.record(prob, cfg, params=params, y0=y0)
+    return record_rows(chosen, prob, cfg, params=params, y0=y0)
+
+
+def record_rows(engine, prob, cfg, params=None, y0=None) -> Mesh:
+    """`engine.record` of every trajectory: this process's rows only (the others'
+    come from their processes), in chunks that fit `cfg.memory_budget` where the engine
+    says what a row costs (`Engine.row_bytes`), each chunk split over this
+    process's devices by the engine."""
+    params = prob.params if params is None else params
+    y0 = prob.y0 if y0 is None else jnp.asarray(y0)
+    n = y0.shape[0]
+    pieces = layout.row_pieces(n, cfg, engine.row_bytes(prob, cfg), "record")
+    if len(pieces) == 1 and pieces[0][0].size == n:
+        return engine.record(prob, cfg, params=params, y0=y0)
+    meshes = [engine.record(prob, sub, params=trajectory_params(params, rows), y0=y0[rows])
+              for rows, sub in pieces]
+    mesh = meshes[0] if len(meshes) == 1 else concatenate(meshes)
+    return layout.gather_processes(mesh, n) if jax.process_count() > 1 else mesh
+
+
+def concatenate(meshes) -> Mesh:
+    """The meshes of consecutive row ranges as one (padded to the widest)."""
+    width = max(m.columns for m in meshes)
+    h = np.concatenate([np.pad(np.asarray(m.h), ((0, 0), (0, width - m.columns)))
+                        for m in meshes])
+    cat = lambda name: jnp.asarray(np.concatenate([np.asarray(getattr(m, name)) for m in meshes]))
+    return Mesh(h=jnp.asarray(h), n_steps=cat("n_steps"), n_rejected=cat("n_rejected"),
+                status=cat("status"), t0=meshes[0].t0, t1=meshes[0].t1,
+                method=meshes[0].method, rtol=meshes[0].rtol, atol=meshes[0].atol,
+                recorder=meshes[0].recorder)

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import control, methods
+from . import control, layout, methods
 from .config import Config
 from .mesh import Mesh
-from .problem import field, param_axes
+from .problem import field, param_axes, trajectory_params
 from .status import Status
 
 
@@ -44,8 +44,18 @@ class _State(NamedTuple):
 
 
 @eqx.filter_jit
-def _advance(state: _State, params, f_jax, method, rtol, atol, t1, max_steps):
-    """Run trial steps until every trajectory is done or one fills its chunk."""
+def _advance(state: _State, params, f_jax, method, rtol, atol, t1, max_steps, devices=None):
+    """Run trial steps until every trajectory is done or one fills its chunk; with
+    `devices` (a device mesh), each device runs its own loop on its own rows (its
+    trajectories done or one filling its chunk), with no collective in the loop."""
+    if devices is None:
+        return _loop(state, params, f_jax, method, rtol, atol, t1, max_steps)
+    return layout.shard_rows(
+        lambda s, p: _loop(s, p, f_jax, method, rtol, atol, t1, max_steps), devices,
+        (0, param_axes(params)))(state, params)
+
+
+def _loop(state: _State, params, f_jax, method, rtol, atol, t1, max_steps):
     f = field(f_jax)
     trial = jax.vmap(functools.partial(method.trial_step, f),
                      in_axes=(0, 0, 0, 0, param_axes(params)))
@@ -119,27 +129,39 @@ def start(y0, params, dt0, f_jax, method, rtol, atol, t0, t1):
 
 
 def run_record(prob, cfg: Config, *, params=None, y0=None, chunk=DEFAULT_CHUNK,
-               recorder="general"):
-    """The general recorder. Returns `(mesh, y_final)`; `gs.record` keeps the mesh."""
+               recorder="general", devices=None):
+    """The general recorder. Returns `(mesh, y_final)`; `gs.record` keeps the mesh.
+    With `devices` (a device mesh of this process), the rows are split over it, each
+    device running its own loop (`_advance`)."""
     params = prob.params if params is None else params
     y0 = prob.y0 if y0 is None else jnp.asarray(y0)
     method = methods.get(cfg.method)
     rtol, atol, max_steps = cfg.rtol, cfg.atol, cfg.max_steps
     dt0 = None if cfg.dt0 is None else (cfg.dt0 if np.ndim(cfg.dt0) == 0 else jnp.asarray(cfg.dt0))
     n = y0.shape[0]
+    # Filler rows (copies of row 0) make every device's rows a multiple of
+    # `layout.LANES`: a row's mesh then does not depend on how many rows, or devices,
+    # there are (see there).
+    unit = layout.LANES * layout.size(devices)
+    n_pad = -(-n // unit) * unit
+    if n_pad != n:
+        fill = np.concatenate([np.arange(n), np.zeros(n_pad - n, np.int64)])
+        params, y0 = trajectory_params(params, fill), y0[fill]
+        dt0 = dt0 if dt0 is None or np.ndim(dt0) == 0 else dt0[fill]
     t0, t1 = (float(t) for t in prob.t_span)
     t, t_next, f0 = start(y0, params, dt0, prob.f_jax, method, rtol, atol, t0, t1)
-    zeros = jnp.zeros(n, jnp.int32)
-    state = _State(t, t_next, y0, f0, zeros, zeros, zeros, jnp.zeros(n, bool), zeros,
-                   jnp.zeros((n, chunk), y0.dtype))
+    zeros = jnp.zeros(n_pad, jnp.int32)
+    state = _State(t, t_next, y0, f0, zeros, zeros, zeros, jnp.zeros(n_pad, bool), zeros,
+                   jnp.zeros((n_pad, chunk), y0.dtype))
     chunks = []
     while True:
-        state = _advance(state, params, prob.f_jax, method, rtol, atol, t1, max_steps)
-        chunks.append((np.asarray(state.buf), np.asarray(state.count)))
-        if bool(jnp.all(state.done)):
+        state = _advance(state, params, prob.f_jax, method, rtol, atol, t1, max_steps,
+                         devices)
+        chunks.append((np.asarray(state.buf)[:n], np.asarray(state.count)[:n]))
+        if bool(jnp.all(state.done[:n])):
             break
         state = state._replace(count=jnp.zeros_like(state.count))
-    n_steps = np.asarray(state.n_acc)
+    n_steps = np.asarray(state.n_acc)[:n]
     h = np.zeros((n, max(int(n_steps.max()), 1)), np.asarray(state.buf).dtype)
     offset = np.zeros(n, np.int64)
     for buf, count in chunks:
@@ -147,7 +169,8 @@ def run_record(prob, cfg: Config, *, params=None, y0=None, chunk=DEFAULT_CHUNK,
         h[r, offset[r] + c] = buf[r, c]
         offset += count
     mesh = Mesh(h=jnp.asarray(h), n_steps=jnp.asarray(n_steps),
-                n_rejected=state.n_rej, status=state.status,
+                n_rejected=jnp.asarray(np.asarray(state.n_rej)[:n]),
+                status=jnp.asarray(np.asarray(state.status)[:n]),
                 t0=jnp.asarray(t0, y0.dtype), t1=jnp.asarray(t1, y0.dtype),
                 method=method.name, rtol=rtol, atol=atol, recorder=recorder)
-    return mesh, state.y
+    return mesh, jnp.asarray(np.asarray(state.y)[:n])

@@ -17,8 +17,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import methods
-from .config import check_interpolate, check_ts, default_remat
+from . import layout, methods
+from .config import Config, check_interpolate, check_ts, default_remat
 from .mesh import Mesh
 from .problem import as_problem, field, param_axes
 from .status import Status
@@ -26,7 +26,7 @@ from .warp import _adjoint
 
 
 def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
-           interpolate=False, engine=None):
+           interpolate=False, engine=None, devices=None, buckets=None, memory_budget=None):
     """Replay `mesh` from `y0` with `params`: differentiable (pure JAX, or the Warp
     kernels of the in-kernel adjoint with `engine="kernel_adjoint"`).
 
@@ -45,6 +45,10 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
             computed by Warp kernels, its gradient by the Warp backward (Tsit5 and
             Rosenbrock23 meshes of a field the translator accepts; `remat` and
             `interpolate` do not apply).
+        devices, buckets, memory_budget: where the rows are replayed (as
+            `gs.value_and_grad`; docs/scale.md): split over devices, grouped by the
+            mesh's step counts, in chunks under the budget. Buckets need the mesh's
+            step counts: a mesh traced by an outer `jit` replays as one bucket.
 
     Returns:
         Final states `(n, d)`, or `(n, len(ts), d)` with `ts`.
@@ -70,13 +74,30 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
         if interpolate or remat:
             raise ValueError("engine='kernel_adjoint' takes neither interpolate nor remat "
                              "(it stores one state per mesh point and recomputes stages)")
+        if devices is not None and layout.size(layout.device_mesh(devices)) > 1:
+            raise ValueError("engine='kernel_adjoint' runs on one device (devices=)")
         return _adjoint.replay_function(prob, mesh.method, ts)(mesh, params, y0)
     if engine is not None:
         raise ValueError(f"engine must be None (the JAX replay) or 'kernel_adjoint', "
                          f"got {engine!r}")
     if remat is None:
         remat = default_remat(method, prob.stiff, prob.d)
-    return _replay(prob.f_jax, method, mesh, params, y0, ts, bool(remat), interpolate)
+    n = jnp.shape(y0)[0]  # (not prob.n: an engine may replay a piece of the ensemble)
+    cfg = Config(rtol=mesh.rtol, atol=mesh.atol, method=mesh.method, ts=ts, remat=bool(remat),
+                 interpolate=interpolate, devices=layout.device_mesh(devices, n),
+                 memory_budget=layout.budget_bytes(memory_budget),
+                 buckets=layout.check_buckets(buckets))
+    arr = layout.for_replay(mesh, n, cfg, prob.d, jnp.dtype(y0.dtype).itemsize)
+    return arranged_replay(prob.f_jax, method, mesh, params, y0, ts, bool(remat),
+                           interpolate, arr)
+
+
+@eqx.filter_jit
+def arranged_replay(f_jax, method, mesh, params, y0, ts, remat, interpolate, arr):
+    """`_replay` of every row, placed as the arrangement `arr` says (layout.py);
+    compiled once per field, method, shapes and arrangement."""
+    return layout.run(lambda m, p, y: _replay(f_jax, method, m, p, y, ts, remat, interpolate),
+                      arr, mesh, params, y0)
 
 
 def replay_function(prob, cfg):
@@ -122,13 +143,21 @@ def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False, mask=
         h = jnp.where(ok[:, None], h, 0)
         n_steps = jnp.where(ok, n_steps, 0)
     t = jax.lax.stop_gradient(mesh.t0).astype(y0.dtype) + jnp.zeros_like(h[:, 0])
+    # What a zero step is evaluated at before the select discards it: the
+    # trajectory's own first step (one it took), or a 2^-20 of the span for a
+    # trajectory with none (a masked one). Not a unit step:
+    # from a stiff state a step of 1 overflows, and the discarded branch's infinities
+    # would turn its zero cotangent into NaN gradients (the double-where problem).
+    span = jax.lax.stop_gradient(mesh.t1 - mesh.t0).astype(y0.dtype)
+    h_rest = jnp.where(h[:, 0] > 0, h[:, 0], span * 2.0 ** -20)
+
+    def safe_step(t, y, dt):
+        """`step` by `dt` where `dt > 0`, else `y` itself."""
+        return jnp.where(dt > 0, step(t, y, jnp.where(dt > 0, dt, h_rest), params), y)
 
     def column(carry, h_k):
         t, y = carry
-        y_next = step(t, y, h_k, params)
-        # A zero step already returns y bit for bit; the select also keeps a padded
-        # column from propagating a non-finite slope of a frozen trajectory.
-        y_next = jnp.where(h_k > 0, y_next, y)
+        y_next = safe_step(t, y, h_k)
         return (t + h_k, y_next), ((t, y) if ts is not None else None)
 
     (t_end, y_end), history = jax.lax.scan(column, (t, y0.T), h.T)
@@ -152,5 +181,5 @@ def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False, mask=
                          in_axes=(0, 1, 0, 0, axes), out_axes=1)
         ys = jax.vmap(dense, in_axes=(0, 0, 0, 0, None))(t_base, y_base, h_k, theta, params)
     else:
-        ys = jax.vmap(step, in_axes=(0, 0, 0, None))(t_base, y_base, dt, params)
+        ys = jax.vmap(safe_step)(t_base, y_base, dt)
     return jnp.where(ok[:, None, None], jnp.transpose(ys, (2, 0, 1)), 0)  # (n, J, d)

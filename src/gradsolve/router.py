@@ -17,7 +17,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from . import methods
+from . import layout, methods
 from .config import check_interpolate, make_config
 from .engines import ENGINES, Engine, Request
 from .problem import _is_shared
@@ -151,7 +151,7 @@ def _holds_module(params) -> bool:
 
 
 def request_for(prob, *, gradient: bool, method=None, rtol=None, mode="reverse",
-                interpolate=False, ts=False, fused=None) -> Request:
+                interpolate=False, ts=False, fused=None, devices=None) -> Request:
     """The router's view of a call: the problem's stiffness, dimension, dtype and
     parameters, whether its field has a fused form (and a Jacobian), what is asked."""
     form, why = fused_form(prob) if fused is not False else (None, None)
@@ -160,7 +160,8 @@ def request_for(prob, *, gradient: bool, method=None, rtol=None, mode="reverse",
                    rtol=rtol, fused_why=why, mode=mode, interpolate=bool(interpolate),
                    ts=bool(ts), dtype=np.dtype(prob.y0.dtype).name,
                    shared_module=_holds_module(prob.params),
-                   warp=None if fused is None else bool(fused))
+                   warp=None if fused is None else bool(fused),
+                   devices=0 if devices is None else layout.size(layout.device_mesh(devices)))
 
 
 def plan(prob, *, gradient: bool, engine=None, method=None, fused=None, mode="reverse",
@@ -173,7 +174,8 @@ def plan(prob, *, gradient: bool, engine=None, method=None, fused=None, mode="re
         check_interpolate(methods.get(method), settings.get("interpolate", False))
     request = request_for(prob, gradient=gradient, method=method, rtol=settings.get("rtol"),
                           mode=mode, interpolate=settings.get("interpolate", False),
-                          ts=settings.get("ts") is not None, fused=fused)
+                          ts=settings.get("ts") is not None, fused=fused,
+                          devices=settings.get("devices"))
     if engine is not None and fused is False and _named(engine).warp:
         raise ValueError(f"engine {_named(engine).name!r} runs on Warp, but fused=False "
                          f"keeps the request off the Warp engines")
@@ -187,4 +189,5 @@ def plan(prob, *, gradient: bool, engine=None, method=None, fused=None, mode="re
         if engine is not None:
             raise ValueError(f"engine {chosen.name!r} cannot serve this problem: {why}")
         refused[chosen.name] = why
-    return chosen, passed, make_config(prob, method=chosen_method, **settings)
+    return chosen, passed, make_config(prob, method=chosen_method, splits=chosen.splits,
+                                       **settings)

@@ -5,8 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import layout
 from .config import DEFAULT_MAX_STEPS
-from .problem import EnsembleProblem, as_problem
+from .problem import EnsembleProblem, as_problem, trajectory_params
 from .router import plan
 from .status import Status, TrajectoryFailure, summarize
 
@@ -58,9 +59,26 @@ def cast_problem(prob: EnsembleProblem, dtype) -> EnsembleProblem:
     return prob.replace(y0=prob.y0.astype(dtype), params=jax.tree.map(cast, prob.params))
 
 
+def solve_rows(engine, prob, cfg):
+    """`engine.solve` of every trajectory: this process's rows (the others' come from
+    their processes), in chunks under `cfg.memory_budget` where the engine says what a
+    row costs (`Engine.row_bytes`)."""
+    n = prob.n
+    pieces = layout.row_pieces(n, cfg, engine.row_bytes(prob, cfg), "solve")
+    if len(pieces) == 1 and pieces[0][0].size == n:
+        return engine.solve(prob, cfg)
+    pieces = [[np.asarray(x) for x in engine.solve(
+        prob.replace(y0=prob.y0[rows], params=trajectory_params(prob.params, rows)), sub)]
+        for rows, sub in pieces]
+    out = [np.concatenate(parts) for parts in zip(*pieces)]
+    if jax.process_count() > 1:
+        out = layout.gather_rows(out, n)
+    return tuple(jnp.asarray(x) for x in out)
+
+
 def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtype=None,
           max_steps=DEFAULT_MAX_STEPS, dt0=None, interpolate=False, fused=None,
-          throw=False) -> Solution:
+          throw=False, devices=None, memory_budget=None) -> Solution:
     """Solve every trajectory of an ensemble (forward only).
 
     Args:
@@ -79,6 +97,13 @@ def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtyp
             says why if it cannot serve); False keeps the solve off every Warp engine.
         throw: raise `gs.TrajectoryFailure` if a trajectory failed (as Diffrax's
             `throw=True`); by default failures are reported in `.status`.
+        devices: the devices to split the ensemble over (None: every device of the
+            default backend from `layout.MIN_ROWS_PER_DEVICE` trajectories per device,
+            else one; a number, a sequence of `jax.Device` or a 1-D
+            `jax.sharding.Mesh`). Each device runs its own adaptive loop; results are
+            those of one device (docs/scale.md).
+        memory_budget: bytes each device may use (`"2GB"`; None: half the memory
+            available): the general engine solves a larger ensemble in chunks.
 
     Returns:
         A `gs.Solution`; `.engine` names the engine that ran.
@@ -106,8 +131,9 @@ def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtyp
     prob = cast_problem(prob, dtype)
     eng, passed, cfg = plan(prob, gradient=False, engine=engine, method=method, fused=fused,
                             rtol=rtol, atol=atol, dt0=dt0, max_steps=max_steps, ts=ts,
-                            interpolate=interpolate)
-    ys, status, n_acc, n_rej = eng.solve(prob, cfg)
+                            interpolate=interpolate, devices=devices,
+                            memory_budget=memory_budget)
+    ys, status, n_acc, n_rej = solve_rows(eng, prob, cfg)
     out_ts = jnp.asarray([prob.t_span[1]] if cfg.ts is None else cfg.ts, ys.dtype)
     sol = Solution(ys=ys, status=status, n_accepted=n_acc, n_rejected=n_rej,
                    engine=eng.name, method=cfg.method, passed_over=tuple(passed.items()),

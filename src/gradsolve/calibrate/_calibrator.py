@@ -36,10 +36,12 @@ import optax
 from tqdm.auto import tqdm
 
 from .._version import __version__
+from .. import layout
 from ..config import DEFAULT_MAX_STEPS
+from ..record import record_rows
 from ..engines import recorder_of, with_recorder
 from ..mesh import Mesh, padded_width
-from ..problem import Shared, _is_shared, as_problem
+from ..problem import Shared, _is_shared, as_problem, trajectory_params
 from ..router import plan
 from ..status import Status
 from . import _result, _transforms
@@ -150,6 +152,10 @@ class Calibrator:
             a directory with a checkpoint of the same setup resumes from it (see
             `fit`). A relative path is taken from the current directory; the directory
             is created and checked for writing here.
+        devices, buckets, memory_budget: where the B * K trajectories are recorded and
+            replayed (as `gs.value_and_grad`; docs/scale.md): split over devices (the
+            fits' own state is replicated), grouped by recorded step count, in chunks
+            under the budget. Results do not depend on them.
 
     Examples:
         >>> import jax.numpy as jnp, optax, gradsolve as gs
@@ -171,7 +177,8 @@ class Calibrator:
                  to_y0=None, transform=None, rtol=1e-6, atol=1e-9, method=None, ts=None,
                  max_steps=DEFAULT_MAX_STEPS, dt0=None, remat=None, engine=None,
                  recorder=None, refresh_every=None, drift_every=None, drift_tol=None,
-                 batch_size=None, checkpoint_dir=None, checkpoint_every=None):
+                 batch_size=None, checkpoint_dir=None, checkpoint_every=None, devices=None,
+                 buckets=None, memory_budget=None):
         self.problem = as_problem(prob)
         if not callable(loss):
             raise TypeError("loss must be callable as loss(ys_b, theta_b, data_b)")
@@ -207,8 +214,10 @@ class Calibrator:
         self.optimizer, self.transform = optimizer, transform
         self._engine, self.passed_over, self.config = plan(
             self.problem, gradient=True, engine=engine, method=method, rtol=rtol, atol=atol,
-            dt0=dt0, max_steps=max_steps, ts=ts, remat=remat)
+            dt0=dt0, max_steps=max_steps, ts=ts, remat=remat, devices=devices,
+            buckets=buckets, memory_budget=memory_budget)
         self.engine = self._engine.name
+        self._arrangements = None  # the last (key, Arrangement) of `_arrangement`
         self.refresh_every, self.drift_every = refresh_every, drift_every
         self.batch_size = batch_size
         self.drift_tol = None if drift_tol is None else float(drift_tol)
@@ -247,7 +256,7 @@ class Calibrator:
             return y0
         return eqx.filter_vmap(self.to_y0)(theta).reshape(y0.shape)
 
-    def _losses(self, u, static, mesh, data, y0, K, rows=None):
+    def _losses(self, u, static, mesh, data, y0, K, rows=None, arr=None):
         """Per-fit losses; with `rows` `(B, m)`, on those m of each fit's K
         trajectories (a minibatch) and their data."""
         theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
@@ -255,18 +264,19 @@ class Calibrator:
         if rows is not None:
             B, K = rows.shape
             flat = (jnp.arange(B)[:, None] * (y0.shape[0] // B) + rows).reshape(-1)
-            params = _take_rows(params, flat)
+            params = trajectory_params(params, flat)
             y0, mesh = y0[flat], None if mesh is None else mesh.take(flat)
             data = None if data is None else jax.tree.map(
                 lambda d: jax.vmap(lambda d_b, r: d_b[r])(d, rows), data)
-        ys = self._ys(mesh, params, y0)
+        ys = self._ys(mesh, params, y0) if arr is None else layout.run(self._ys, arr, mesh,
+                                                                         params, y0)
         ys_b = ys.reshape((-1, K) + ys.shape[1:])
         batched = eqx.if_array(0)
         axes = (batched, batched, None if data is None else batched)
         return eqx.filter_vmap(self.loss, in_axes=axes)(ys_b, theta, data)
 
     def _update_impl(self, state: FitState, static, mesh, data, y0, start, tol, grad_tol,
-                     cap):
+                     cap, arr=None):
         # `cap` is traced and `history` is written outside: the compiled update
         # depends on the number of slots and the mesh width only, not on the number of
         # steps. Nothing in it couples two fits: a fit's update depends on its own
@@ -281,7 +291,7 @@ class Calibrator:
                 (self.batch_size,), replace=False))(start, state.steps)
 
         def total(u):
-            losses = self._losses(u, static, mesh, data, y0, K, rows)
+            losses = self._losses(u, static, mesh, data, y0, K, rows, arr)
             # A non-finite fit adds nothing to the others' gradients.
             return jnp.sum(jnp.where(jnp.isfinite(losses), losses, 0.0)), losses
 
@@ -302,11 +312,11 @@ class Calibrator:
             [~state.active, ~finite, converged, steps >= cap],
             [state.status, FitStatus.NONFINITE, FitStatus.CONVERGED, FitStatus.STEP_CAP],
             state.status).astype(state.status.dtype)
-        return state._replace(
+        return layout.replicated(state._replace(
             u=u, opt_state=opt_state, active=state.active & move & (steps < cap),
             status=status, steps=steps, loss=jnp.where(state.active, losses, state.loss),
             grad_norm=jnp.where(state.active, grad_norm, state.grad_norm),
-            update=state.update + 1)
+            update=state.update + 1), arr)
 
     # -- records --------------------------------------------------------------------
 
@@ -316,9 +326,8 @@ class Calibrator:
         if not self._engine.serves("record"):
             return None, None
         theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
-        mesh = self._engine.record(self.problem, self.config,
-                                   params=self._full_params(theta, K),
-                                   y0=self._full_y0(theta, y0))
+        mesh = record_rows(self._engine, self.problem, self.config,
+                           params=self._full_params(theta, K), y0=self._full_y0(theta, y0))
         ok = np.asarray(mesh.status).reshape(-1, K) == Status.SUCCESS
         return mesh.widened(width), ok.all(axis=1)
 
@@ -333,8 +342,9 @@ class Calibrator:
         `fresh`."""
         theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
         params, y0 = self._full_params(theta, K), self._full_y0(theta, y0)
-        old = np.asarray(self._ys(mesh, params, y0)).reshape(y0.shape[0], -1)
-        new = np.asarray(self._ys(fresh, params, y0)).reshape(y0.shape[0], -1)
+        old, new = (np.asarray(layout.run(
+            self._ys, self._arrangement(m, y0.shape[0], cache=False), m, params, y0)
+        ).reshape(y0.shape[0], -1) for m in (mesh, fresh))
         change = np.linalg.norm(old - new, axis=1) / np.linalg.norm(new, axis=1)
         return change.reshape(-1, K).max(axis=1)
 
@@ -567,7 +577,7 @@ class Calibrator:
         # The best fit's K trajectories and data, once per grid point.
         rows = np.tile(np.arange(best.index * K, (best.index + 1) * K), G)
         prob = self.problem.replace(y0=self.problem.y0[rows],
-                                    params=_take_rows(self.problem.params, rows))
+                                    params=trajectory_params(self.problem.params, rows))
         data = None if self.data is None else jax.tree.map(
             lambda d: jnp.broadcast_to(d[best.index], (G,) + np.shape(d)[1:]), self.data)
         hold = jax.tree_util.tree_map_with_path(  # the structure of the optimised u
@@ -583,9 +593,35 @@ class Calibrator:
 
     def _step(self, window, static, tol, grad_tol, cap):
         """One compiled update of the slots' fits."""
-        return self._update(window.state, static, self._mesh(window.state.mesh),
-                            window.data, window.y0, jax.device_put(window.start),
-                            tol, grad_tol, cap)
+        mesh = self._mesh(window.state.mesh)
+        B = window.state.active.shape[0]
+        batch = None if self.batch_size is None else B * self.batch_size
+        return self._update(window.state, static, mesh, window.data, window.y0,
+                            jax.device_put(window.start), tol, grad_tol, cap,
+                            self._arrangement(mesh, window.y0.shape[0], batch))
+
+    def _arrangement(self, mesh, n, batch=None, cache=True):
+        """Where `n` trajectories are replayed on `mesh` (layout.py): made anew when the
+        mesh's step counts change, its bucket widths never shrinking within a fit (each
+        new set of widths is a new compiled update). A minibatch (`batch` rows drawn
+        inside the update) is replayed as one bucket."""
+        if not self._engine.splits:
+            return None
+        if batch is not None:
+            return layout.arrange(batch, dmesh=self.config.devices, buckets=1,
+                                  columns=None if mesh is None else mesh.columns)
+        key = (n,) if mesh is None else (n, np.asarray(mesh.n_steps).tobytes(),
+                                         np.asarray(mesh.status).tobytes(), mesh.columns)
+        last = self._arrangements if cache else None
+        if last is not None and last[0] == key:
+            return last[1]
+        same_n = last is not None and last[0][0] == n
+        arr = layout.for_replay(mesh, n, self.config, self.problem.d,
+                                self.problem.y0.dtype.itemsize,
+                                min_widths=last[1].widths if same_n else None)
+        if cache:
+            self._arrangements = (key, arr)
+        return arr
 
     def _check_theta(self, theta0, steps):
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
@@ -858,12 +894,6 @@ def _adopt(arrays, fresh, fits, K):
     return out
 
 
-def _take_rows(params, rows):
-    """Per-trajectory parameters of trajectories `rows`; `gs.Shared` ones as they are."""
-    return jax.tree.map(lambda x: x if _is_shared(x) or not eqx.is_array(x) else x[rows],
-                        params, is_leaf=_is_shared)
-
-
 def _leaf_at(tree, path):
     return next(x for p, x in jax.tree_util.tree_leaves_with_path(tree) if p == path)
 
@@ -994,6 +1024,8 @@ def _show(bar, state, window, queue):
 
 
 def _say(bar, message):
+    if jax.process_index() != 0:  # several processes: the first reports
+        return
     if bar is not None:
         bar.write(message, file=sys.stderr)
     else:
@@ -1001,7 +1033,7 @@ def _say(bar, message):
 
 
 def _progress(enabled, total, initial, queue=False):
-    if not enabled:
+    if not enabled or jax.process_index() != 0:  # several processes: the first reports
         return None
     return tqdm(total=total, initial=initial, unit="start" if queue else "update",
                 dynamic_ncols=True)

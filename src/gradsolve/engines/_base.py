@@ -54,6 +54,7 @@ class Request:
         shared_module: the `gs.Shared` parameters hold an Equinox module (an MLP).
         warp: the caller's `fused=` choice: True asks for a Warp engine, False keeps
             the request off every Warp engine, None lets the router choose.
+        devices: the number of devices named (`devices=`), 0 for the default.
     """
 
     gradient: bool
@@ -71,6 +72,7 @@ class Request:
     dtype: str = "float64"
     shared_module: bool = False
     warp: bool | None = None
+    devices: int = 0
 
     @property
     def task(self) -> str:
@@ -90,6 +92,8 @@ class Engine(eqx.Module):
         warp: it runs Warp kernels (the router's fused-form rules apply to it).
         gradients_by: for a forward-only engine, the engine that differentiates
             what it solves (named in its refusal of a gradient request).
+        splits: its work may be split over devices (`devices=`, layout.py); one that
+            does not runs on one device by default and refuses several.
     """
 
     name: ClassVar[str]
@@ -97,6 +101,7 @@ class Engine(eqx.Module):
     routes: ClassVar[tuple[str, ...]] = ()
     warp: ClassVar[bool] = False
     gradients_by: ClassVar[str | None] = None
+    splits: ClassVar[bool] = True
 
     def serves(self, task: str) -> bool:
         """Whether this engine implements `task` (one of `TASKS`)."""
@@ -124,6 +129,13 @@ class Engine(eqx.Module):
         """`None` if this engine can run `prob` with `method`, else the reason: the
         refusals only the problem shows (the router asks the engine it chose, and
         moves on to the next if it refuses)."""
+        return None
+
+    def row_bytes(self, prob, cfg) -> int | None:
+        """The memory one trajectory's record or forward solve holds, by which
+        `record_rows` and `solve_rows` cut an ensemble into chunks under
+        `cfg.memory_budget`; None: the engine bounds its own memory (the fused
+        kernels do)."""
         return None
 
     def declines(self, request: Request) -> str | None:

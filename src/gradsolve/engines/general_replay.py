@@ -2,10 +2,11 @@
 
 from typing import ClassVar
 
+from .. import layout
 from ..recorder import run_record
 from ..replay import replay_function
 from ._base import Differentiates, Engine, Records, Solves
-from .general import general_solve
+from .general import general_row_bytes, general_solve
 
 
 class GeneralReplay(Engine, Solves, Records, Differentiates):
@@ -19,7 +20,11 @@ class GeneralReplay(Engine, Solves, Records, Differentiates):
         return general_solve(prob, cfg)
 
     def record(self, prob, cfg, params=None, y0=None):
-        return run_record(prob, cfg, params=params, y0=y0, recorder=self.recorder)[0]
+        return run_record(prob, cfg, params=params, y0=y0, recorder=self.recorder,
+                          devices=layout.local_mesh(cfg.devices))[0]
+
+    def row_bytes(self, prob, cfg):
+        return general_row_bytes(prob, cfg)
 
     def ys_function(self, prob, cfg, mode):
         return replay_function(prob, cfg)

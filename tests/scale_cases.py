@@ -1,0 +1,159 @@
+"""Several devices in one process: run by test_scale.py in a subprocess with four
+forced host devices (`XLA_FLAGS=--xla_force_host_platform_device_count=4`; the device
+count is fixed when JAX starts, so it cannot be set inside the main test process).
+
+Each split result is compared with the same call on one device. Per-trajectory
+results are compared bit for bit: every row's arithmetic is the same whichever device
+runs it (every piece of rows is a multiple of the vector width for that,
+layout.LANES) -- but for outputs at `ts`, whose extra steps XLA fuses differently in
+different programs (a last bit; see the replay test). Gradients of `gs.Shared` parameters are sums over
+the devices, added in another order: they are compared at rtol 1e-12 (a sum of n
+terms in float64 reorders to ~n * 1e-16).
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gradsolve as gs
+
+
+SHARED_RTOL = 1e-12
+
+
+def test_four_devices():
+    assert jax.device_count() == 4, "run through test_scale.py (four forced devices)"
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return gs.problems.lorenz(n=37)  # 37: not divisible by 2, 3 or 4 devices
+
+
+@pytest.fixture(scope="module")
+def lorenz(plain):
+    """With a `gs.Shared` parameter (the general path: the registered fused form of
+    Lorenz takes per-trajectory parameters only)."""
+    return plain.replace(params=dict(plain.params, sigma=gs.Shared(jnp.asarray(10.0))))
+
+
+def squares(ys, p):
+    return jnp.sum(ys ** 2)
+
+
+def same(a, b, shared_rtol=SHARED_RTOL):
+    for x, y in zip(jax.tree.leaves(a, is_leaf=lambda v: isinstance(v, gs.Shared)),
+                    jax.tree.leaves(b, is_leaf=lambda v: isinstance(v, gs.Shared))):
+        if isinstance(x, gs.Shared):
+            np.testing.assert_allclose(x.value, y.value, rtol=shared_rtol, atol=0)
+        else:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("engine", ["general", "fused"])
+def test_solve_split_equals_one_device(plain, engine):
+    one = gs.solve(plain, engine=engine, ts=jnp.linspace(0.0, 1.0, 4))
+    for devices in (3, jax.devices()):
+        split = gs.solve(plain, engine=engine, ts=jnp.linspace(0.0, 1.0, 4), devices=devices)
+        same((one.ys, one.status, one.n_accepted), (split.ys, split.status, split.n_accepted))
+
+
+@pytest.mark.parametrize("recorder", ["general", "fused"])
+def test_record_split_equals_one_device(plain, recorder):
+    one = gs.record(plain, recorder=recorder)
+    split = gs.record(plain, recorder=recorder, devices=3)
+    same((one.h, one.n_steps, one.status), (split.h, split.n_steps, split.status))
+
+
+@pytest.mark.parametrize("wrt", ["params", "y0", "both"])
+def test_gradient_split_equals_one_device(lorenz, wrt):
+    mesh = gs.record(lorenz, recorder="general")
+    one = gs.value_and_grad(lorenz, squares, wrt=wrt, mesh=mesh, engine="general_replay")()
+    for devices in (2, 4):
+        vg = gs.value_and_grad(lorenz, squares, wrt=wrt, mesh=mesh, engine="general_replay",
+                               devices=devices)
+        assert vg.arrangement.devices.devices.size == devices
+        value, grads = vg()
+        np.testing.assert_allclose(value, one[0], rtol=SHARED_RTOL, atol=0)  # a sum
+        same(grads, one[1])
+
+
+def test_forward_mode_split(lorenz):
+    one = gs.value_and_grad(lorenz, squares, mode="forward", engine="general_replay")()
+    split = gs.value_and_grad(lorenz, squares, mode="forward", engine="general_replay",
+                              devices=4)()
+    same(split[1], one[1])
+
+
+def test_replay_split_and_bucketed(lorenz):
+    """Final states bit for bit; outputs at `ts` (one extra step from the last mesh
+    point before each) to the last bit or two: XLA fuses that extra step's multiplies
+    and adds differently in each program (measured <= 1.6e-16 relative)."""
+    mesh = gs.record(lorenz, recorder="general")
+    ts = jnp.linspace(0.0, 1.0, 5)
+    one, end = (gs.replay(lorenz, mesh, ts=t, buckets=1) for t in (ts, None))
+    for kw in (dict(devices=2), dict(devices=4, buckets=3), dict(buckets=5)):
+        np.testing.assert_array_equal(gs.replay(lorenz, mesh, **kw), end)
+        np.testing.assert_allclose(gs.replay(lorenz, mesh, ts=ts, **kw), one, rtol=5e-16,
+                                   atol=0)
+
+
+def test_calibrator_fit_split_equals_one_device():
+    B, K = 3, 3  # 9 trajectories over 2 devices
+    rates = jnp.array([0.5, 1.0, 2.0])
+    data = jnp.exp(-jnp.array([1.5, 3.0, 6.0])[:, None] * rates)[:, :, None]
+    prob = gs.EnsembleProblem(f_jax=lambda t, y, k: -k * y, y0=jnp.ones((B * K, 1)),
+                              params=jnp.ones(B * K), t_span=(0.0, 1.0))
+
+    def fit(**kw):
+        cal = gs.Calibrator(prob, lambda ys, k, d: jnp.sum((ys - d) ** 2), data=data,
+                            to_params=lambda k: k * rates, optimizer=optax.adam(0.2),
+                            transform=gs.transforms.Positive(), refresh_every=4, **kw)
+        return cal.fit(jnp.ones(B), steps=15, progress=False)
+
+    one, split = fit(), fit(devices=2)
+    np.testing.assert_array_equal(split.theta, one.theta)
+    # A fit's loss sums its K trajectories, which may lie on two devices.
+    np.testing.assert_allclose(split.history, one.history, rtol=SHARED_RTOL, atol=0)
+
+
+def test_kernel_adjoint_and_diffrax_refuse_several_devices(lorenz):
+    with pytest.raises(ValueError, match="one device"):
+        gs.value_and_grad(lorenz, squares, engine="kernel_adjoint", devices=2)
+    with pytest.raises(ValueError, match="one device"):
+        gs.solve(gs.problems.lorenz(n=4), engine="diffrax", devices=2)
+    # Unnamed, the router passes over them and says why.
+    sol = gs.solve(gs.problems.lorenz(n=4), fused=False, devices=2)
+    assert sol.engine == "general" and "one device" in dict(sol.passed_over)["diffrax"]
+
+
+def test_device_arguments_are_checked():
+    with pytest.raises(ValueError, match="there are 4 devices"):
+        gs.record(gs.problems.lorenz(n=4), devices=5)
+    with pytest.raises(ValueError, match="twice"):
+        gs.record(gs.problems.lorenz(n=4), devices=[jax.devices()[0]] * 2)
+    with pytest.raises(TypeError, match="jax devices"):
+        gs.record(gs.problems.lorenz(n=4), devices=["cpu:0"])
+    two_d = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+    with pytest.raises(ValueError, match="1-D"):
+        gs.record(gs.problems.lorenz(n=4), devices=two_d)
+
+
+def test_mlp_field_split():
+    """An Equinox MLP in `gs.Shared` (activation functions among its leaves) through
+    the split replay: its gradient is the sum over devices."""
+    mlp = eqx.nn.MLP(2, 2, 8, 1, activation=jnp.tanh, key=jax.random.key(0))
+    mlp = jax.tree.map(lambda x: x.astype(jnp.float64) if eqx.is_inexact_array(x) else x, mlp)
+    prob = gs.EnsembleProblem(f_jax=lambda t, y, p: p(y) - y, y0=jnp.linspace(0.1, 1.0, 22
+                                                                           ).reshape(11, 2),
+                              params=gs.Shared(mlp), t_span=(0.0, 1.0))
+    loss = lambda ys, p: jnp.sum(ys ** 2)
+    one = gs.value_and_grad(prob, loss, engine="general_replay")()
+    split = gs.value_and_grad(prob, loss, engine="general_replay", devices=2)()
+    np.testing.assert_allclose(split[0], one[0], rtol=SHARED_RTOL, atol=0)
+    for a, b in zip(jax.tree.leaves(eqx.filter(split[1], eqx.is_array)),
+                    jax.tree.leaves(eqx.filter(one[1], eqx.is_array))):
+        np.testing.assert_allclose(a, b, rtol=SHARED_RTOL, atol=1e-15)
