@@ -33,6 +33,7 @@ import warnings
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 
 LOCK_NAME = "gradsolve.lock"
@@ -113,6 +114,13 @@ class _Lock:
             self._fd = None
 
 
+class _NoLock:
+    """What a process other than the first holds: its job's first process has the lock."""
+
+    def release(self):
+        pass
+
+
 def _owner(path) -> str:
     try:
         owner = json.loads(pathlib.Path(path).read_text() or "{}")
@@ -142,7 +150,9 @@ class Checkpoints:
     def __init__(self, directory, max_to_keep=3):
         self._ocp = ocp
         self.directory = check_directory(directory)
-        self._lock = _Lock(self.directory)
+        # Several processes of one job (gs.distributed) write one checkpoint together
+        # (Orbax's multi-process saves): the first holds the lock for all of them.
+        self._lock = _Lock(self.directory) if jax.process_index() == 0 else _NoLock()
         try:
             self.manager = ocp.CheckpointManager(
                 self.directory,
@@ -190,8 +200,9 @@ class Checkpoints:
 
     def _set_aside(self, steps):
         """Move damaged steps out of Orbax's sight (kept for inspection under a name
-        not used before), so the resumed fit can save those step numbers again."""
-        for step in steps:
+        not used before), so the resumed fit can save those step numbers again (the
+        first process moves them; every process then reloads)."""
+        for step in steps if jax.process_index() == 0 else ():
             path = self.directory / str(step)
             if not path.exists():
                 continue
@@ -201,6 +212,8 @@ class Checkpoints:
                 target = self.directory / f"{step}.damaged.{k}"
             path.rename(target)
         if steps:
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices("gradsolve: damaged steps set aside")
             self.manager.reload()
 
     def _abstract(self, like, meta):
