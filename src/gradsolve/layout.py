@@ -118,11 +118,12 @@ def own_rows(n: int) -> tuple[int, int]:
     """The rows `[lo, hi)` this process records: all of them in one process, else the
     process's equal share, in process order (`gather_processes` joins them)."""
     P, p = jax.process_count(), jax.process_index()
-    if n < P:
-        raise ValueError(f"an ensemble of {n} trajectories over {P} processes: each "
-                         f"process needs one at least")
     m = -(-n // P)
-    return min(n, p * m), min(n, (p + 1) * m)
+    lo, hi = min(n, p * m), min(n, (p + 1) * m)
+    if lo >= hi:
+        raise ValueError(f"an ensemble of {n} trajectories leaves process {p} of {P} "
+                         f"none (shares of {m}): use more trajectories or fewer processes")
+    return lo, hi
 
 
 def row_pieces(n: int, cfg, per_row: int | None, what: str):

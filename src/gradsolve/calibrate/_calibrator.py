@@ -224,6 +224,7 @@ class Calibrator:
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self._ys = self._engine.ys_function(self.problem, self.config, "reverse")
         self._update = eqx.filter_jit(self._update_impl)
+        self._replayed = eqx.filter_jit(self._replayed_impl)
 
     # -- the per-update computation -------------------------------------------------
 
@@ -342,11 +343,14 @@ class Calibrator:
         `fresh`."""
         theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
         params, y0 = self._full_params(theta, K), self._full_y0(theta, y0)
-        old, new = (np.asarray(layout.run(
-            self._ys, self._arrangement(m, y0.shape[0], cache=False), m, params, y0)
+        old, new = (np.asarray(self._replayed(
+            m, params, y0, self._arrangement(m, y0.shape[0], cache=False))
         ).reshape(y0.shape[0], -1) for m in (mesh, fresh))
         change = np.linalg.norm(old - new, axis=1) / np.linalg.norm(new, axis=1)
         return change.reshape(-1, K).max(axis=1)
+
+    def _replayed_impl(self, mesh, params, y0, arr):
+        return layout.run(self._ys, arr, mesh, params, y0)
 
     # -- what defines a fit -----------------------------------------------------------
 
@@ -588,6 +592,7 @@ class Calibrator:
         jobs.optimizer = optax.chain(self.optimizer, optax.masked(optax.set_to_zero(), hold))
         jobs._ys = self._engine.ys_function(prob, self.config, "reverse")
         jobs._update = eqx.filter_jit(jobs._update_impl)
+        jobs._replayed = eqx.filter_jit(jobs._replayed_impl)
         return jobs.fit(theta0, steps=steps, tol=tol, grad_tol=grad_tol, progress=progress,
                         slots=slots)
 
