@@ -43,10 +43,12 @@ from .status import Status
 
 
 AXIS = "ensemble"
-# The default device split starts at this many trajectories per device: below it one
-# device is faster here (the Lorenz gradient on 2 forced host devices of the 2-core
-# CPU: benchmarks/scale.py, docs/scale.md). Named `devices=` always split.
-MIN_ROWS_PER_DEVICE = 4096
+# The default device split starts at this many trajectories per device. Measured on
+# 2 forced host devices of the 2-core CPU (benchmarks/scale.py, docs/benchmarks.md):
+# the Lorenz gradient is 0.6-0.8x on two devices at 32-128 rows per device and
+# 1.3-2.6x from 256 on; the general record alone pays from ~2048 per device. The
+# gradient is what is called repeatedly. Named `devices=` always split.
+MIN_ROWS_PER_DEVICE = 256
 # Bucketing: the default number of buckets is the smallest of `BUCKETS` whose padded
 # work is within `BUCKET_SLACK` of the largest's, with at least `MIN_BUCKET_ROWS` rows
 # per bucket and device (a bucket is one more scan to compile and launch).
@@ -58,7 +60,10 @@ MIN_BUCKET_ROWS = 256
 # remainder rounds differently (libm `pow` in the recorder's controller, a multiply
 # and add not fused in the replay), in the last bit, and the recorder's error estimate
 # (a difference of near-equal states) turns that bit into 1e-12 in the step sizes.
-# With it, a row's results do not depend on how many rows or devices there are.
+# With it, a row's results do not depend on how many rows or devices there are -- up
+# to a size: from ~1400 rows a piece XLA compiles the recorder's loop body another way
+# (measured: a row's mesh is the same at 16 and 1344 rows, 1e-11 apart at 1408), so
+# larger split records agree to ~1e-11 in the step sizes, not bit for bit.
 LANES = 8
 # The default memory budget: this fraction of the memory available when it is read.
 BUDGET_FRACTION = 0.5
@@ -250,8 +255,9 @@ def replay_bytes(method, d: int, width: int, itemsize: int, *, remat: bool, n_ts
     """Bytes one trajectory's replay keeps live at `width` columns: the state and time
     at every column (the scan's saved carry), and without `remat` every step's stages
     (d x d Jacobians for implicit methods); twice that for a gradient (the cotangents
-    of the same shapes), plus the outputs. The estimate the chunks are sized by; its
-    agreement with measured peaks is in docs/scale.md."""
+    of the same shapes), plus the outputs. The estimate the chunks are sized by; against
+    measured peaks in docs/benchmarks.md ("Scaling": 1.79 GB estimated, 1.85 GB
+    measured above the process's start, for 2^20 Lorenz rows under 2 GB)."""
     per_column = d + 1
     if not remat:
         per_column += _stages(method) * d + (d * d if method.implicit else 0)
@@ -261,9 +267,12 @@ def replay_bytes(method, d: int, width: int, itemsize: int, *, remat: bool, n_ts
 
 def record_bytes(method, d: int, itemsize: int, chunk: int) -> int:
     """Bytes one trajectory holds in the general recorder: its state, slopes and stages
-    (d x d for implicit methods) and its chunk of step sizes."""
-    return int(itemsize * (d * (_stages(method) + 6) + (d * d * 2 if method.implicit else 0)
-                           + chunk + 8))
+    (d x d for implicit methods), twice (the loop's carry in and out), and its chunk
+    of step sizes five times over (the carry in and out, the host's copy, the joined
+    mesh and its device copy). Measured: 2.5 kB a row for Lorenz (d = 3, Tsit5,
+    chunk 64) at 2^20 rows, against 3.2 kB from this (docs/benchmarks.md, Scale)."""
+    per_state = d * (_stages(method) + 6) + (d * d * 2 if method.implicit else 0)
+    return int(itemsize * (2 * per_state + 5 * chunk + 8))
 
 
 def held_bytes(rows: int, columns: int, d: int, itemsize: int) -> int:

@@ -2,6 +2,7 @@
 one, and warp/, the fused one), and `record_rows`, which runs any engine's recorder
 over this process's rows in memory-bounded chunks."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,19 +70,23 @@ def record_rows(engine, prob, cfg, params=None, y0=None) -> Mesh:
     pieces = layout.row_pieces(n, cfg, engine.row_bytes(prob, cfg), "record")
     if len(pieces) == 1 and pieces[0][0].size == n:
         return engine.record(prob, cfg, params=params, y0=y0)
-    meshes = [engine.record(prob, sub, params=trajectory_params(params, rows), y0=y0[rows])
-              for rows, sub in pieces]
-    mesh = meshes[0] if len(meshes) == 1 else concatenate(meshes)
+    # The chunks' meshes joined on the host as they come (one host copy of the mesh,
+    # grown when a chunk is wider), then moved to the device once.
+    lo = pieces[0][0][0]
+    h = counts = None
+    for rows, sub in pieces:
+        part = engine.record(prob, sub, params=trajectory_params(params, rows), y0=y0[rows])
+        if h is None:
+            h = np.zeros((pieces[-1][0][-1] + 1 - lo, part.columns), part.h.dtype)
+            counts = {k: np.zeros(h.shape[0], getattr(part, k).dtype)
+                      for k in ("n_steps", "n_rejected", "status")}
+            first = part
+        if part.columns > h.shape[1]:
+            h = np.pad(h, ((0, 0), (0, part.columns - h.shape[1])))
+        h[rows - lo, :part.columns] = np.asarray(part.h)
+        for k in counts:
+            counts[k][rows - lo] = np.asarray(getattr(part, k))
+        del part
+    mesh = eqx.tree_at(lambda m: (m.h, m.n_steps, m.n_rejected, m.status), first,
+                       (jnp.asarray(h), *(jnp.asarray(counts[k]) for k in counts)))
     return layout.gather_processes(mesh, n) if jax.process_count() > 1 else mesh
-
-
-def concatenate(meshes) -> Mesh:
-    """The meshes of consecutive row ranges as one (padded to the widest)."""
-    width = max(m.columns for m in meshes)
-    h = np.concatenate([np.pad(np.asarray(m.h), ((0, 0), (0, width - m.columns)))
-                        for m in meshes])
-    cat = lambda name: jnp.asarray(np.concatenate([np.asarray(getattr(m, name)) for m in meshes]))
-    return Mesh(h=jnp.asarray(h), n_steps=cat("n_steps"), n_rejected=cat("n_rejected"),
-                status=cat("status"), t0=meshes[0].t0, t1=meshes[0].t1,
-                method=meshes[0].method, rtol=meshes[0].rtol, atol=meshes[0].atol,
-                recorder=meshes[0].recorder)

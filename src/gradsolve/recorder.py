@@ -128,6 +128,19 @@ def start(y0, params, dt0, f_jax, method, rtol, atol, t0, t1):
     return t, t_next, f0
 
 
+def _append(h, offset, buf, count):
+    """Each row's `count` new step sizes from `buf` written after its `offset` ones
+    (growing `h` by doubling): column by column, so that no index array of every
+    step is ever held (the memory budget counts on it)."""
+    need = int((offset + count).max(initial=0))
+    if need > h.shape[1]:
+        h = np.pad(h, ((0, 0), (0, max(need, 2 * h.shape[1]) - h.shape[1])))
+    for j in range(int(count.max(initial=0))):
+        r = np.flatnonzero(count > j)
+        h[r, offset[r] + j] = buf[r, j]
+    return offset + count, h
+
+
 def run_record(prob, cfg: Config, *, params=None, y0=None, chunk=DEFAULT_CHUNK,
                recorder="general", devices=None):
     """The general recorder. Returns `(mesh, y_final)`; `gs.record` keeps the mesh.
@@ -153,21 +166,17 @@ def run_record(prob, cfg: Config, *, params=None, y0=None, chunk=DEFAULT_CHUNK,
     zeros = jnp.zeros(n_pad, jnp.int32)
     state = _State(t, t_next, y0, f0, zeros, zeros, zeros, jnp.zeros(n_pad, bool), zeros,
                    jnp.zeros((n_pad, chunk), y0.dtype))
-    chunks = []
+    h = np.zeros((n, chunk), y0.dtype)  # the mesh so far, grown as the steps come
+    offset = np.zeros(n, np.int64)
     while True:
         state = _advance(state, params, prob.f_jax, method, rtol, atol, t1, max_steps,
                          devices)
-        chunks.append((np.asarray(state.buf)[:n], np.asarray(state.count)[:n]))
+        offset, h = _append(h, offset, np.asarray(state.buf)[:n], np.asarray(state.count)[:n])
         if bool(jnp.all(state.done[:n])):
             break
         state = state._replace(count=jnp.zeros_like(state.count))
     n_steps = np.asarray(state.n_acc)[:n]
-    h = np.zeros((n, max(int(n_steps.max()), 1)), np.asarray(state.buf).dtype)
-    offset = np.zeros(n, np.int64)
-    for buf, count in chunks:
-        r, c = np.nonzero(np.arange(buf.shape[1])[None, :] < count[:, None])
-        h[r, offset[r] + c] = buf[r, c]
-        offset += count
+    h = h[:, :max(int(n_steps.max()), 1)]
     mesh = Mesh(h=jnp.asarray(h), n_steps=jnp.asarray(n_steps),
                 n_rejected=jnp.asarray(np.asarray(state.n_rej)[:n]),
                 status=jnp.asarray(np.asarray(state.status)[:n]),
