@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs" / "benchmarks.md"
 SCRIPTS = ("grad_vs_diffrax", "stiff_and_high_order", "fit_vs_diffrax", "fused_forward",
-           "kernel_adjoint")
+           "kernel_adjoint", "scale")
 PACKAGES = ("gradsolve", "jax", "jaxlib", "diffrax", "equinox", "optax", "warp-lang",
             "numpy", "scipy")
 
