@@ -136,3 +136,15 @@ def test_warp_start_is_quiet_but_passes_other_native_output_on(capfd):
         os.write(2, b"from native code\n")
     assert printed() == "from native code\n"
     assert capfd.readouterr().err == ""  # captured, not shown
+
+
+def test_registered_form_takes_a_shared_parameter():
+    """A `gs.Shared` parameter of a registered field (common to every trajectory) is
+    broadcast to the hand-written kernel's columns (it raised a TypeError from the
+    packing). Against the general engine at rtol 1e-10: the two recorders agree to
+    ~1e-10 on the states (docs/engines.md), so 1e-8."""
+    prob = gs.problems.lorenz(n=5)
+    prob = prob.replace(params=dict(prob.params, sigma=gs.Shared(jnp.asarray(10.0))))
+    fused, general = (gs.solve(prob, engine=e, rtol=1e-10, atol=1e-12)
+                      for e in ("fused", "general"))
+    np.testing.assert_allclose(fused.ys, general.ys, rtol=1e-8)

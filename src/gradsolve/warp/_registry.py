@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..fields import _systems
+from ..problem import unwrap_shared
 from . import _translate
 
 
@@ -46,6 +47,9 @@ class FusedField:
 
 
 def _columns(params, names, n):
+    """The hand-written kernels' per-trajectory parameter columns; a `gs.Shared`
+    value (common to all trajectories) is broadcast to every row."""
+    params = unwrap_shared(params)
     return np.stack([np.broadcast_to(np.asarray(params[k], np.float64), (n,))
                      for k in names], axis=1)
 
