@@ -107,6 +107,7 @@ def make_config(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STE
     return Config(rtol=rtol, atol=atol, method=method, dt0=check_dt0(dt0, prob.n),
                   max_steps=int(max_steps), ts=check_ts(ts, prob.t_span), remat=bool(remat),
                   interpolate=bool(interpolate),
-                  devices=layout.device_mesh(devices, prob.n) if splits or devices is not None
-                  else None,
-                  memory_budget=layout.budget_bytes(memory_budget), buckets=layout.check_buckets(buckets))
+                  devices=layout.device_mesh(devices, prob.n)
+                  if splits or devices is not None else None,
+                  memory_budget=layout.budget_bytes(memory_budget),
+                  buckets=layout.check_buckets(buckets))

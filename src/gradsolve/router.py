@@ -10,7 +10,8 @@ the same rule, else `diffrax` (Tsit5 problems), else `general`.
 The rules every engine obeys are here, once: the task (solve / gradient), the method
 (`methods.default_for` picks it when none is named), the continuous extension for
 `interpolate=True`, and for the Warp engines the fused form, the caller's `fused=`,
-the dtype, the d cutoff and the tolerance below which Rosenbrock23 is not chosen.
+the dtype, the d cutoff and the tolerance below which Rosenbrock23 is not chosen;
+and several devices only for an engine that splits (`Engine.one_device`).
 """
 
 import equinox as eqx
@@ -66,6 +67,8 @@ def refusal(engine: Engine, request: Request) -> str | None:
         return f"it does not serve {task}s"
     if engine.warp and (why := _warp_refusal(request)) is not None:
         return why
+    if request.devices > 1 and not engine.splits:
+        return f"one device only ({engine.one_device})"
     method = request.method or engine.default_method(request)
     if not engine.runs(method):
         return engine.method_refusal(method)

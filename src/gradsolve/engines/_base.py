@@ -92,8 +92,9 @@ class Engine(eqx.Module):
         warp: it runs Warp kernels (the router's fused-form rules apply to it).
         gradients_by: for a forward-only engine, the engine that differentiates
             what it solves (named in its refusal of a gradient request).
-        splits: its work may be split over devices (`devices=`, layout.py); one that
-            does not runs on one device by default and refuses several.
+        one_device: None if its work may be split over devices (`devices=`,
+            layout.py), else why not: it then runs on one device by default, and the
+            router refuses it several naming this.
     """
 
     name: ClassVar[str]
@@ -101,7 +102,12 @@ class Engine(eqx.Module):
     routes: ClassVar[tuple[str, ...]] = ()
     warp: ClassVar[bool] = False
     gradients_by: ClassVar[str | None] = None
-    splits: ClassVar[bool] = True
+    one_device: ClassVar[str | None] = None
+
+    @property
+    def splits(self) -> bool:
+        """Whether its work may be split over devices (`one_device` is None)."""
+        return self.one_device is None
 
     def serves(self, task: str) -> bool:
         """Whether this engine implements `task` (one of `TASKS`)."""

@@ -40,11 +40,10 @@ class Diffrax(Engine, Solves, Differentiates):
 
     name: ClassVar[str] = "diffrax"
     routes: ClassVar[tuple[str, ...]] = ("solve",)
-    # Diffrax's solve does not trace under `shard_map` (Equinox's closure conversion
-    # inside it refuses the device-local arguments, jax 0.10 / diffrax 0.7.2): one
-    # device. Automatic sharding of its vmapped loop would make every loop condition a
-    # collective -- the trap layout.py exists to avoid.
-    splits: ClassVar[bool] = False
+    # Equinox's closure conversion inside Diffrax refuses shard_map's device-local
+    # arguments (jax 0.10 / diffrax 0.7.2); automatic sharding of its vmapped loop
+    # would make every loop condition a collective -- the trap layout.py avoids.
+    one_device: ClassVar[str] = "Diffrax's solve does not run under shard_map"
     checkpoints: int | None = None
     solver: Any = None
 
@@ -58,8 +57,6 @@ class Diffrax(Engine, Solves, Differentiates):
     def supports(self, request):
         if importlib.util.find_spec("diffrax") is None:
             return "diffrax is not installed"
-        if request.devices > 1:
-            return "one device only (Diffrax's solve does not run under shard_map)"
         return None
 
     def _solve_fn(self, prob, cfg, adjoint, ts, throw):

@@ -40,7 +40,8 @@ class KernelAdjoint(FusedReplay):
     routes: ClassVar[tuple[str, ...]] = ("gradient",)
     methods: ClassVar[tuple[str, ...]] = ("tsit5", "rosenbrock23")
     named_by_recorder: ClassVar[bool] = False  # recorder="fused" means fused_replay
-    splits: ClassVar[bool] = False  # its host calls run on one device
+    one_device: ClassVar[str] = ("its Warp kernels run in host calls, not split over "
+                                 "devices; fused_replay splits its replay")
 
     def method_refusal(self, method):
         return f"the in-kernel adjoint runs {self.methods}, not {method!r}"
@@ -48,9 +49,6 @@ class KernelAdjoint(FusedReplay):
     def supports(self, request):
         if request.gradient and request.mode != "reverse":
             return "reverse mode only (mode='forward': fused_replay or general_replay)"
-        if request.devices > 1:
-            return ("one device only (its Warp kernels run in host calls, not split over "
-                    "devices; fused_replay splits its replay)")
         return None
 
     def check(self, prob, method):
