@@ -15,7 +15,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,plot]" -c constraints.txt
+	$(PY) -m pip install --quiet -e ".[test,plot,petab]" -c constraints.txt
+	$(PY) -m pip install --quiet --no-deps petabtests -c constraints.txt
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -14,13 +14,13 @@ jax.config.update("jax_enable_x64", True)
 # starting the long ones first keeps one worker from running a long file alone at the
 # end. Order by the seconds each took from a cold cache on the 2-core machine
 # (pytest --durations=0, summed per file): fused 114, checkpoints 96, calibrator 92,
-# translate 80, scale 60 (two subprocess jobs), grad 67, recipes 65, stiff 65; every
-# other file < 25 but the in-kernel adjoint's (111 s alone from a cold cache), which
-# measured faster left in collection order (fresh clone: 5 min 44 s) than started
-# second (7 min 12 s).
-_HEAVIEST_FIRST = ("test_fused.py", "test_checkpoints.py", "test_calibrator.py",
-                   "test_translate.py", "test_scale.py", "test_grad.py", "test_recipes.py",
-                   "test_stiff.py")
+# translate 80, petab 100 (18 suite cases; 130 with cold compiles), scale 60 (two
+# subprocess jobs), grad 67, recipes 65, stiff 65; every other file < 25 but the
+# in-kernel adjoint's (111 s alone from a cold cache), which measured faster left in
+# collection order (fresh clone: 5 min 44 s) than started second (7 min 12 s).
+_HEAVIEST_FIRST = ("test_fused.py", "test_petab.py", "test_checkpoints.py",
+                   "test_calibrator.py", "test_translate.py", "test_scale.py", "test_grad.py",
+                   "test_recipes.py", "test_stiff.py")
 
 
 def pytest_collection_modifyitems(items):

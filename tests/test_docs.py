@@ -11,7 +11,7 @@ MODULES = ["gradsolve.problem", "gradsolve.mesh", "gradsolve.record", "gradsolve
            "gradsolve.methods._tableau", "gradsolve.fields._systems", "gradsolve.fields._neural",
            "gradsolve.warp._registry",
            "gradsolve.calibrate._calibrator", "gradsolve.calibrate._transforms",
-           "gradsolve.calibrate._multistart", "gradsolve.calibrate._result"]
+           "gradsolve.calibrate._multistart", "gradsolve.calibrate._result", "gradsolve.petab"]
 
 
 @pytest.mark.parametrize("name", MODULES)

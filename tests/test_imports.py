@@ -16,7 +16,11 @@ PACKAGE = SRC / "gradsolve"
 LAZY = {"warp": "Warp loads only when a fused engine runs",
         "diffrax": "optional: the baseline engine",
         "matplotlib": "optional: the plot extra",
-        "fcntl": "POSIX only"}
+        "fcntl": "POSIX only",
+        "petab": "optional: the petab extra", "libsbml": "optional: the petab extra",
+        "sbmlmath": "optional: the petab extra",
+        "": "gs.petab's modules need SymPy (the petab extra): loaded by gs.petab.load",
+        "_problem": "as ''", "_sbml": "as ''"}
 
 
 def _modules() -> dict[str, pathlib.Path]:

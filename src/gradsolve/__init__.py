@@ -1,7 +1,7 @@
 """gradsolve: exact gradients for ensembles of ODEs by record and replay."""
 
 from . import distributed as distributed, engines as engines, layout as layout
-from . import methods as methods, problems as problems
+from . import methods as methods, petab as petab, problems as problems
 from .calibrate import Calibrator as Calibrator, FitResult as FitResult, FitStatus as FitStatus
 from .calibrate import multistart as multistart, transforms as transforms
 from .engines import Engine as Engine, engine_names as engine_names
