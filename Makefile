@@ -28,8 +28,11 @@ demo: $(STAMP)
 # order tests/conftest.py gives): the suite is bound by XLA and Warp compiles, which
 # are single-threaded (a fresh clone on 2 cores: 589 s serial, 396-474 s with two
 # workers in xdist's own order).
+# Then tests/float32 in a pytest of its own with jax_enable_x64 off (one switch per
+# process): float32 is how most JAX users run.
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
+	GRADSOLVE_TEST_X64=0 $(PY) -m pytest -q tests/float32
 
 bench: $(STAMP)
 	$(PY) benchmarks/grad_vs_diffrax.py

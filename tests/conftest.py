@@ -1,5 +1,10 @@
 """Tests run in float64 on the CPU, with strict dtype promotion off (the library's
-own steps cast coefficients to the state dtype)."""
+own steps cast coefficients to the state dtype).
+
+`tests/float32/` holds the tests of the way most JAX users run: `jax_enable_x64` off,
+float32 throughout. x64 is one switch per process, so `make test` runs that folder in a
+second pytest with `GRADSOLVE_TEST_X64=0`; the float64 run leaves it out.
+"""
 
 import os
 
@@ -7,7 +12,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-jax.config.update("jax_enable_x64", True)
+X64 = os.environ.get("GRADSOLVE_TEST_X64", "1") != "0"
+jax.config.update("jax_enable_x64", X64)
+
+collect_ignore = ["float32"] if X64 else []
 
 
 # The heaviest test files first: with one file per pytest-xdist worker (`make test`),

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..problem import EnsembleProblem, Shared
-from ._systems import _spread
+from ._systems import _linspace, default_float
 
 
 # The spiral's true field: y' = A^T y^3 (cubes elementwise), a slow inward spiral.
@@ -33,7 +33,7 @@ def neural_f(t, y, p):
 
 
 def neural_spiral(n=32, *, key=None, width=64, depth=2, t_span=(0.0, 10.0),
-                  activation=jnp.tanh, dtype=jnp.float64):
+                  activation=jnp.tanh, dtype=None):
     """`y' = MLP(y)` for n initial states spread over the spiral's start region.
 
     Args:
@@ -50,7 +50,7 @@ def neural_spiral(n=32, *, key=None, width=64, depth=2, t_span=(0.0, 10.0),
     """
     key = jax.random.key(0) if key is None else key
     net = eqx.nn.MLP(2, 2, width, depth, activation=activation, key=key)
-    net = jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, net)
+    net = jax.tree.map(lambda x: x.astype(default_float(dtype)) if eqx.is_inexact_array(x) else x, net)
     s = np.linspace(0.0, 1.0, n) if n > 1 else np.array([0.5])
     radius = 0.5 + 0.5 * s  # the cubic field turns faster further out
     y0 = np.stack([radius * np.cos(np.pi * s), radius * np.sin(np.pi * s)], axis=1)
@@ -74,16 +74,16 @@ def robertson_true_f(t, y, p):
     return _rates(y1, y2, y3, p, 1 + 2 * y3)
 
 
-def zero_output_mlp(key, width=16, depth=2, dtype=jnp.float64):
+def zero_output_mlp(key, width=16, depth=2, dtype=None):
     """`eqx.nn.MLP(3, 1, width, depth, tanh)` whose last layer is zero: exp(MLP) = 1."""
     mlp = eqx.nn.MLP(3, 1, width, depth, activation=jnp.tanh, key=key)
-    mlp = jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, mlp)
+    mlp = jax.tree.map(lambda x: x.astype(default_float(dtype)) if eqx.is_inexact_array(x) else x, mlp)
     return eqx.tree_at(lambda m: (m.layers[-1].weight, m.layers[-1].bias), mlp,
                        (jnp.zeros_like(mlp.layers[-1].weight), jnp.zeros(1, dtype)))
 
 
 def neural_robertson(n=4, *, key=None, width=16, depth=2, t_span=(0.0, 100.0),
-                     dtype=jnp.float64):
+                     dtype=None):
     """Robertson's reactors (y1(0) spread over [0.7, 1], y3(0) = 1 - y1(0)) with the
     autocatalytic rate `k2 y2^2 exp(MLP(y))`, the MLP in `gs.Shared` (zero output).
 
@@ -94,7 +94,7 @@ def neural_robertson(n=4, *, key=None, width=16, depth=2, t_span=(0.0, 100.0),
         (True, ['k1', 'k2', 'k3', 'mlp'])
     """
     key = jax.random.key(3) if key is None else key
-    a = np.asarray(_spread(1.0, 0.7, n, jnp.float64))
+    a = _linspace(1.0, 0.7, n)
     y0 = np.stack([a, np.zeros(n), 1.0 - a], axis=1)
     params = {"k1": jnp.full(n, 0.04, dtype), "k2": jnp.full(n, 3e7, dtype),
               "k3": jnp.full(n, 1e4, dtype),

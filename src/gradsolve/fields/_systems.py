@@ -1,6 +1,7 @@
 """The seed's systems. Each builder returns an `EnsembleProblem` whose trajectories
 spread one physical parameter (or the initial state) evenly over a stated range, so
-an ensemble is deterministic without a random key.
+an ensemble is deterministic without a random key. `dtype=None` is JAX's default
+float: float64 with `jax_enable_x64`, float32 without.
 """
 
 import jax.numpy as jnp
@@ -10,8 +11,18 @@ import scipy.linalg
 from ..problem import EnsembleProblem, Shared
 
 
+def default_float(dtype=None):
+    """`dtype`, or JAX's default float when None (float32 without x64, silently:
+    asking JAX for float64 there warns on every array)."""
+    return jnp.zeros((), dtype).dtype
+
+
+def _linspace(lo, hi, n):
+    return np.linspace(lo, hi, n) if n > 1 else np.array([0.5 * (lo + hi)])
+
+
 def _spread(lo, hi, n, dtype):
-    return jnp.asarray(np.linspace(lo, hi, n) if n > 1 else [0.5 * (lo + hi)], dtype)
+    return jnp.asarray(_linspace(lo, hi, n), dtype)
 
 
 def _rows(row, n, dtype):
@@ -24,7 +35,7 @@ def lorenz_f(t, y, p):
 
 
 def lorenz(n=8, *, rho=(10.0, 20.0), sigma=10.0, beta=8.0 / 3.0, t_span=(0.0, 1.0),
-           y0=(1.0, 0.0, 0.0), dtype=jnp.float64):
+           y0=(1.0, 0.0, 0.0), dtype=None):
     """Lorenz ensemble; `rho` spread over `rho` (below the chaotic regime by default).
 
     Examples:
@@ -44,7 +55,7 @@ def van_der_pol_f(t, y, p):
 
 
 def van_der_pol(n=8, *, mu=(0.5, 2.0), t_span=(0.0, 5.0), y0=(2.0, 0.0),
-                dtype=jnp.float64):
+                dtype=None):
     """Van der Pol oscillator (non-stiff range of `mu` by default)."""
     mu = _spread(*mu, n, dtype) if isinstance(mu, tuple) else jnp.full(n, mu, dtype)
     return EnsembleProblem(f_jax=van_der_pol_f, y0=_rows(y0, n, dtype),
@@ -55,7 +66,7 @@ def lorenz96_f(t, y, p):
     return (jnp.roll(y, -1) - jnp.roll(y, 2)) * jnp.roll(y, 1) - y + p["F"]
 
 
-def lorenz96(n=8, *, d=8, forcing=(7.5, 8.5), t_span=(0.0, 1.0), dtype=jnp.float64):
+def lorenz96(n=8, *, d=8, forcing=(7.5, 8.5), t_span=(0.0, 1.0), dtype=None):
     """Lorenz-96 with `d` variables; forcing `F` spread, state `F` plus 0.01 on x_0."""
     F = _spread(*forcing, n, dtype)
     y0 = np.tile(np.asarray(F)[:, None], (1, d)).astype(np.float64)
@@ -77,7 +88,7 @@ def _linear_problem(A, n, lam, t_span, seed, dtype, stiff, name):
         t_span=t_span, stiff=stiff, name=name)
 
 
-def linear(n=8, *, d=4, lam=(0.5, 1.5), t_span=(0.0, 1.0), seed=0, dtype=jnp.float64):
+def linear(n=8, *, d=4, lam=(0.5, 1.5), t_span=(0.0, 1.0), seed=0, dtype=None):
     """`y' = lam * A y`: one shared damped-rotation matrix `A` (eigenvalues
     `-0.5 +- i w`), a per-trajectory rate `lam`. Closed form: `linear_exact`."""
     rng = np.random.default_rng(seed + 1)
@@ -87,7 +98,7 @@ def linear(n=8, *, d=4, lam=(0.5, 1.5), t_span=(0.0, 1.0), seed=0, dtype=jnp.flo
 
 
 def linear_stiff(n=8, *, d=8, lam=(0.5, 1.5), stiffness=1e4, t_span=(0.0, 1.0), seed=0,
-                 dtype=jnp.float64):
+                 dtype=None):
     """`y' = lam * A y` with `A = Q diag(-logspace(0, log10(stiffness), d)) Q^T`:
     decay rates spread over `stiffness` decades' ratio. Closed form: `linear_exact`."""
     rng = np.random.default_rng(seed + 1)
@@ -115,7 +126,7 @@ def robertson_f(t, y, p):
 
 
 def robertson(n=8, *, k1=(0.03, 0.05), k2=3e7, k3=(0.8e4, 1.2e4), t_span=(0.0, 100.0),
-              dtype=jnp.float64):
+              dtype=None):
     """Robertson's stiff kinetics; rates `k1` and `k3` spread, `k2` fixed."""
     params = {"k1": _spread(*k1, n, dtype), "k2": jnp.full(n, k2, dtype),
               "k3": _spread(*k3, n, dtype)}
@@ -138,10 +149,10 @@ def hires_f(t, y, p):
     ])
 
 
-def hires(n=8, *, y1=(0.9, 1.1), t_span=(0.0, 321.8122), dtype=jnp.float64):
+def hires(n=8, *, y1=(0.9, 1.1), t_span=(0.0, 321.8122), dtype=None):
     """HIRES (8 species, stiff); no free rate: the ensemble spreads `y1(0)`."""
     y0 = np.tile([1.0, 0, 0, 0, 0, 0, 0, 0.0057], (n, 1))
-    y0[:, 0] = np.asarray(_spread(*y1, n, jnp.float64))
+    y0[:, 0] = _linspace(*y1, n)
     return EnsembleProblem(f_jax=hires_f, y0=jnp.asarray(y0, dtype), params=None,
                            t_span=t_span, stiff=True, name="hires")
 
@@ -156,7 +167,7 @@ def galactic_halo_f(t, y, p):
 
 
 def galactic_halo(n=8, *, q=(0.7, 0.95), v_c=1.0, r_c=0.1, t_span=(0.0, 10.0),
-                  dtype=jnp.float64):
+                  dtype=None):
     """Stellar orbits in the logarithmic halo `Phi = v_c^2/2 ln(r_c^2 + x^2 + y^2 +
     z^2/q^2)`; the flattening `q` is spread; orbits start at x = 1 with a spread of
     tangential and vertical velocities."""

@@ -53,7 +53,7 @@ def call(fn, results, *args, name: str, bridge: str | None = None):
     # same kernels at two ensemble sizes; each compiled call must find its own shapes).
     signature = [(np.shape(a), np.dtype(a.dtype).name) for a in args] + \
         [(tuple(r.shape), np.dtype(r.dtype).name) for r in results]
-    key = int(hashlib.sha256(f"{name}|{signature}".encode()).hexdigest()[:15], 16)  # int64
+    key = _key(f"{name}|{signature}")
     _FUNCTIONS[key] = fn, [np.shape(a) for a in args]
     # Warp arrays have at least one axis: scalars travel as one-element arrays.
     args = [jnp.reshape(a, (1,)) if np.ndim(a) == 0 else a for a in args]
@@ -62,6 +62,22 @@ def call(fn, results, *args, name: str, bridge: str | None = None):
     out = target(key, *args,
                  output_dims={f"r{k}": r.shape or (1,) for k, r in enumerate(results)})
     return tuple(jnp.reshape(o, r.shape) for o, r in zip(out, results))
+
+
+_KEYED: dict = {}  # key -> the text it was made from, to catch a collision
+
+
+def _key(text: str) -> int:
+    """A call key from `text`: 31 bits of its SHA-256, so it fits the int32 that JAX
+    makes of a Python int without `jax_enable_x64` (60 bits overflowed there). The same
+    text gives the same key in every process; two texts meeting on one key (about one
+    chance in 10^7 for a hundred distinct calls) raise instead of calling the wrong
+    function."""
+    key = int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
+    if _KEYED.setdefault(key, text) != text:
+        raise RuntimeError(f"two host calls share the key {key}: {_KEYED[key]!r} and "
+                           f"{text!r}; rename one")
+    return key
 
 
 def default_bridge() -> str:

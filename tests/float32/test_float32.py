@@ -1,0 +1,86 @@
+"""float32 without `jax_enable_x64`: how most JAX users run. `make test` runs this
+folder in its own pytest with `GRADSOLVE_TEST_X64=0` (tests/conftest.py); the float64
+run leaves it out, since x64 is one switch per process.
+
+Tolerances: float32's unit roundoff is 6e-8; two engines summing the same steps in
+another order differ by a few hundred roundoffs over a 60-step mesh.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gradsolve as gs
+
+assert not jax.config.jax_enable_x64, "run with GRADSOLVE_TEST_X64=0 (make test does)"
+
+
+def loss(ys, params):
+    return jnp.sum(ys[:, 0] ** 2)
+
+
+@pytest.fixture(scope="module")
+def lorenz_default():
+    """The README's first gradient as a float32 user runs it: n = 512 routes to the
+    in-kernel adjoint, whose host-call key overflowed JAX's int32 (issue 27, item 0:
+    `OverflowError: Python int 784381360019701783 too large to convert to int32`)."""
+    prob = gs.problems.lorenz(n=512)
+    vg = gs.value_and_grad(prob, loss)
+    return prob, vg, vg()
+
+
+def test_problems_are_float32_without_warnings():
+    # dtype=None is JAX's default float; asking for float64 without x64 warns per array
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for build in (gs.problems.lorenz, gs.problems.robertson, gs.problems.hires,
+                      gs.problems.neural_spiral, gs.problems.neural_robertson):
+            prob = build(n=2)
+            arrays = jax.tree.leaves(eqx.filter((prob.y0, prob.params), eqx.is_array))
+            assert all(x.dtype == jnp.float32 for x in arrays)
+
+
+def test_default_gradient_routes_to_kernel_adjoint_and_matches_the_jax_replay(lorenz_default):
+    prob, vg, (value, grads) = lorenz_default
+    assert vg.engine == "kernel_adjoint"
+    assert value.dtype == jnp.float32 and grads["rho"].dtype == jnp.float32
+    # the JAX replay of the same mesh: an independent implementation of the same sum
+    ref = gs.value_and_grad(prob, loss, engine="general_replay", mesh=vg.mesh)
+    ref_value, ref_grads = ref()
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for name, bound in (("rho", 6e-5), ("sigma", 1.3e-4), ("beta", 3e-4)):
+        # measured 5.5e-6 (rho), 1.3e-5 (sigma), 2.8e-5 (beta) of the largest entry
+        scale = np.max(np.abs(ref_grads[name]))
+        assert np.max(np.abs(grads[name] - ref_grads[name])) / scale < bound, name
+
+
+def test_calibrator_fits_in_float32_on_the_in_kernel_adjoint():
+    """Two rho fits from noise-free data made at the truth (12, 18): the fit stops at
+    the truth up to the mesh's own error at rtol 1e-6 (the data's mesh is not the
+    fit's). Measured 4e-7 and 2e-7 relative."""
+    B, K = 2, 2
+    rng = np.random.default_rng(0)
+    prob = gs.problems.lorenz(n=B * K)
+    y0 = np.tile([1.0, 0.0, 0.0], (B * K, 1)) + rng.normal(scale=0.5, size=(B * K, 3))
+    rho_true = jnp.array([12.0, 18.0])
+    prob = prob.replace(y0=jnp.asarray(y0, jnp.float32),
+                        params={**prob.params, "rho": jnp.repeat(rho_true, K)})
+    data = gs.solve(prob).raise_for_status().ys.reshape(B, K, 3)
+
+    def to_params(theta):
+        return {"sigma": jnp.full(K, 10.0), "rho": jnp.full(K, theta["rho"]),
+                "beta": jnp.full(K, 8.0 / 3.0)}
+
+    def loss(ys, theta, obs):
+        return jnp.mean((ys - obs) ** 2)
+
+    cal = gs.Calibrator(prob, loss, to_params=to_params, data=data, engine="kernel_adjoint",
+                        optimizer=optax.adam(0.3), refresh_every=100)
+    res = cal.fit({"rho": jnp.full(B, 15.0)}, steps=300, grad_tol=1e-4, progress=False)
+    assert res.engine == "kernel_adjoint" and res.theta["rho"].dtype == jnp.float32
+    assert res.converged.all()
+    np.testing.assert_allclose(res.theta["rho"], rho_true, rtol=4e-6)
