@@ -22,15 +22,18 @@ jax.config.update("jax_enable_x64", True)
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import datetime  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
+import resource  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from importlib import metadata  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +68,85 @@ def warm(fn, repeats):
 def ratio(a, b):
     """a / b, None when either is missing (same-run ratios only: both from one run)."""
     return a / b if a and b else None
+
+
+def rounds(fns, repeats, n_rounds):
+    """Warm medians of several functions timed in alternating rounds (`warm` per round,
+    all rounds' calls pooled): slow drift of a shared machine falls on all of them
+    alike. Also the process CPU time / wall time of each one's calls ("cores busy")."""
+    times, cpu, wall = ({k: [] for k in fns} for _ in range(3))
+    for _ in range(n_rounds):
+        for k, fn in fns.items():
+            c = time.process_time()
+            w = warm(fn, repeats)
+            cpu[k].append(time.process_time() - c)
+            wall[k].append(w["first_call_s"] + sum(w["times_s"]))
+            times[k] += w["times_s"]
+    return {k: {"median_s": float(np.median(times[k])), "times_s": times[k],
+                "cores_busy": sum(cpu[k]) / sum(wall[k])} for k in fns}
+
+
+def timed_fit(cal, theta0, steps):
+    """`(seconds, result)` of `cal.fit(theta0, steps=steps)` with every stopping test
+    off, so that every fit runs `steps` updates (checked)."""
+    t = time.perf_counter()
+    res = cal.fit(theta0, steps=steps, tol=None, grad_tol=None, progress=False)
+    jax.block_until_ready(res.theta)
+    if res.updates != steps:
+        raise RuntimeError(f"{cal.engine}: {res.updates} updates, not {steps}")
+    return time.perf_counter() - t, res
+
+
+def sum_squares(ys, params):
+    """The scripts' usual loss: the sum of squares of the final states."""
+    return jnp.sum(ys ** 2)
+
+
+def diff(a, b):
+    """Max abs and max relative difference over the leaves of two pytrees (gradients,
+    meshes), and whether they are bitwise equal."""
+    a, b = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)]) for t in (a, b))
+    d = np.abs(a - b)
+    scale = np.maximum(np.abs(a), np.finfo(a.dtype).tiny)
+    return {"max_abs": float(d.max()), "max_rel": float((d / scale).max()),
+            "bitwise": bool(np.array_equal(a, b))}
+
+
+def xla_bytes(fn, *args):
+    """XLA's memory analysis of `fn._call` compiled for `args`: temporaries, arguments,
+    outputs (bytes)."""
+    m = fn._call.lower(*args).compile().compiled.memory_analysis()
+    return {"temp": m.temp_size_in_bytes, "arguments": m.argument_size_in_bytes,
+            "outputs": m.output_size_in_bytes}
+
+
+# ------------------------------------------------------------------ fresh processes
+
+WORKER_RESULT = "BENCH_WORKER_RESULT "
+
+
+def spawn(script, task, env=None, timeout=1200, **spec):
+    """Run `workers[task](spec)` of `script` (a path) in a fresh process (see `main`);
+    its JSON result."""
+    cmd = [sys.executable, str(script), "--worker", json.dumps(dict(spec, task=task))]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(WORKER_RESULT)]
+    if out.returncode or not lines:
+        raise RuntimeError(f"worker {task} failed (rc {out.returncode}):\n"
+                           f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1][len(WORKER_RESULT):])
+
+
+def peak_rss():
+    """This process's peak resident set so far, bytes: `ru_maxrss` (KiB on Linux), kept
+    across fork and exec, so a worker's starts at what its parent held; and VmHWM
+    (/proc/self/status), the peak of this process's own address space, which exec
+    starts afresh: the measurement."""
+    status = Path("/proc/self/status")
+    line = next((ln for ln in status.read_text().splitlines() if ln.startswith("VmHWM:")),
+                None) if status.exists() else None
+    return {"ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "vm_hwm": None if line is None else int(line.split()[1]) * 1024}
 
 
 @contextlib.contextmanager
@@ -170,22 +252,63 @@ def machine():
             "device": str(jax.devices()[0]), "versions": versions}
 
 
-def git(*args):
+def git(*args, text=True):
     try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=text,
+                              timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
-        return ""
+        return "" if text else b""
+
+
+# What a result depends on besides the installed packages: a change under these paths
+# not in the commit makes the result irreproducible from the commit. The harness's own
+# outputs (benchmarks/results/, docs/) are left out: `make bench` writes them between
+# scripts.
+CODE = ("src", "benchmarks", "recipes", "tests/data", ":(exclude)benchmarks/results")
+
+
+def tree():
+    """`(commit, dirty paths, sha256 of their diff)`: the uncommitted changes under
+    `CODE`, untracked files included (their content hashed too)."""
+    commit = git("rev-parse", "--short", "HEAD").strip()
+    status = git("status", "--porcelain", "--untracked-files=all", "--", *CODE)
+    entries = sorted((line[3:], line[:2]) for line in status.splitlines() if line.strip())
+    digest = hashlib.sha256(git("diff", "--binary", "HEAD", "--", *CODE, text=False))
+    for path, code in entries:
+        if code == "??":
+            digest.update(path.encode() + b"\0" + (ROOT / path).read_bytes())
+    return commit, [path for path, _ in entries], digest.hexdigest() if entries else None
+
+
+def check_tree(when, commit=None):
+    """SystemExit unless the code is committed (and, after a run, still `commit`)."""
+    now, changed, _ = tree()
+    if now and not changed and commit in (None, now):
+        return now
+    why = (f"uncommitted changes: {', '.join(changed)}" if changed else
+           "no git commit found" if not now else f"the commit moved from {commit} to {now}")
+    raise SystemExit(
+        f"benchmarks: not stored ({when}, {why}). A stored result must be reproducible "
+        "from its commit: commit first; or pass --no-write to only print the tables, or "
+        "--allow-dirty to store it marked as such (docs/benchmarks.md then flags it).")
 
 
 def stamp(args):
     """When, on what code and under what load a section ran."""
+    commit, changed, digest = tree()
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": git("rev-parse", "--short", "HEAD"),
-            "src_uncommitted": bool(git("status", "--porcelain", "--", "src")),
+            "commit": commit, "dirty": changed, "diff_sha256": digest,
             "load_start": list(os.getloadavg()), "quick": args.quick,
             "threads": os.environ.get("GRADSOLVE_CPU_THREADS") or "one per core",
             "command": " ".join(["benchmarks/" + Path(sys.argv[0]).name] + sys.argv[1:])}
+
+
+def dirty(run):
+    """A stored section's uncommitted changes, as the docs show them ('' if none).
+    Results stored before `dirty` was recorded only said whether src/ had any."""
+    if run.get("dirty"):
+        return f"{', '.join(run['dirty'])}; diff sha256 {run['diff_sha256'][:12]}"
+    return "src/, paths not recorded" if run.get("src_uncommitted") else ""
 
 
 def jsonable(x):
@@ -204,7 +327,8 @@ def run_block(script, report):
     v = ", ".join(f"{k} {x}" for k, x in m["versions"].items() if x)
     runs = "; ".join(
         f"{name}: {s['run']['date']}, commit {s['run']['commit']}"
-        + (" + uncommitted src/" if s["run"]["src_uncommitted"] else "")
+        + (f" **+ uncommitted changes ({dirty(s['run'])}): not reproducible from the "
+           f"commit**" if dirty(s["run"]) else "")
         + f", load average {s['run']['load_start'][0]:.1f} at start, "
         f"{s['run']['wall_s'] / 60:.1f} min" + (", **quick run**" if s["run"]["quick"] else "")
         for name, s in report["sections"].items())
@@ -230,13 +354,17 @@ def summary():
         path = RESULTS / f"{script}.json"
         if path.exists():
             report = json.loads(path.read_text())
-            quick = any(s["run"]["quick"] for s in report["sections"].values())
-            rows += [[r["what"] + (" (quick run)" if quick else ""), r["target"],
+            runs = [s["run"] for s in report["sections"].values()]
+            flag = "".join(f" ({f})" for f, on in (
+                ("quick run", any(r["quick"] for r in runs)),
+                ("uncommitted changes", any(dirty(r) for r in runs))) if on)
+            rows += [[r["what"] + flag, r["target"],
                       measured(r), r["status"], f"`{script}`"] for r in report["targets"]]
     return md_table(["benchmark", "target", "measured", "verdict", "script"], rows)
 
 
-def write_docs(script, blocks, report, docs=DOCS):
+def write_docs(script, blocks, report):
+    docs = DOCS
     text = docs.read_text() if docs.exists() else "# Benchmarks\n"
     for name, body in blocks.items():
         text = write_block(text, f"{script}/{name}", body)
@@ -253,7 +381,7 @@ def int_list(text):
 
 def cli(doc, sections, extra=None, argv=None):
     """The one parser: --quick, --only SECTION, --sizes, --repeats, --threads,
-    --render (rewrite the docs from the stored JSON), --no-write."""
+    --render (rewrite the docs from the stored JSON), --no-write, --allow-dirty."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
@@ -267,9 +395,23 @@ def cli(doc, sections, extra=None, argv=None):
                     help="only rewrite docs/benchmarks.md from the stored JSON")
     ap.add_argument("--no-write", action="store_true",
                     help="print the tables; write neither JSON nor docs")
+    ap.add_argument("--allow-dirty", action="store_true",
+                    help="store a result measured with uncommitted changes to the code "
+                         "(recorded, with their diff's hash; the docs flag it)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)  # a `spawn`ed task (JSON)
     if extra:
         extra(ap)
     return ap.parse_args(argv)
+
+
+def main(script, doc, sections, render, targets, workers=None):
+    """A script's command line: a `spawn`ed worker's task, or `run`."""
+    args = cli(doc, sections)
+    if args.worker:
+        spec = json.loads(args.worker)
+        print(WORKER_RESULT + json.dumps(workers[spec["task"]](spec)), flush=True)
+    else:
+        run(script, sections, render, targets, args)
 
 
 def run(script, sections, render, targets, args):
@@ -277,6 +419,8 @@ def run(script, sections, render, targets, args):
     path = RESULTS / f"{script}.json"
     stored = json.loads(path.read_text()) if path.exists() else {}
     if not args.render:
+        strict = not (args.no_write or args.allow_dirty)
+        commit = check_tree("before measuring") if strict else None
         if args.threads:
             os.environ["GRADSOLVE_CPU_THREADS"] = str(args.threads)
         done = {k: v for k, v in stored.get("sections", {}).items()
@@ -291,10 +435,13 @@ def run(script, sections, render, targets, args):
         report = json.loads(json.dumps(jsonable(
             {"script": script, "machine": machine(), "sections": done})))
         report["targets"] = targets(report["sections"])
-        if args.no_write:
+        if args.no_write or strict:
             log("\n\n".join(render(report["sections"]).values()))
             log(target_table(report["targets"]))
+        if args.no_write:
             return report
+        if strict:  # the code may have changed under a long run
+            check_tree("after measuring; the tables are printed above", commit)
         RESULTS.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1) + "\n")
         log(f"wrote {path.relative_to(ROOT)}")

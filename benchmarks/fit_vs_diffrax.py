@@ -16,7 +16,7 @@ import time
 
 _T_START = time.perf_counter()  # a compile worker reports its imports' time from here
 
-from _harness import (ROOT, cli, fmt, log, md_table, run, target)  # noqa: E402
+from _harness import ROOT, cli, fmt, log, md_table, run, target, timed_fit  # noqa: E402
 
 import json  # noqa: E402
 import os  # noqa: E402
@@ -66,15 +66,6 @@ def calibrators(name, B, data=None, refresh_every=None, sides=("replay", "diffra
     return prob, to_params, theta0, {s: gs.Calibrator(
         prob, loss, to_params=to_params, data=built if data is None else data,
         engine=engine[s](), refresh_every=refresh_every, **settings()) for s in sides}
-
-
-def timed_fit(cal, theta0, steps):
-    t = time.perf_counter()
-    res = cal.fit(theta0, steps=steps, tol=None, grad_tol=None, progress=False)
-    jax.block_until_ready(res.theta)
-    if res.updates != steps:
-        raise RuntimeError(f"{cal.engine}: {res.updates} updates, not {steps}")
-    return time.perf_counter() - t, res
 
 
 def fit_point(name, B, n1, n2, repeats):

@@ -12,19 +12,15 @@ rtol 1e-13; ratios are also taken at matched achieved error over the rtol sweep.
     .venv/bin/python benchmarks/grad_vs_diffrax.py [--quick] [--sizes 8,128]
 """
 
-from _harness import cli, fmt, levels, log, md_table, overlap, run, target, time_at, warm
+from _harness import (cli, fmt, levels, log, md_table, overlap, run, sum_squares as loss,
+                      target, time_at, warm)
 
 import jax  # noqa: E402  (after _harness, which turns float64 on)
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import gradsolve as gs  # noqa: E402
 
 MAIN_RTOL, ATOL_FACTOR, MAX_STEPS = 1e-6, 1e-3, 256
-
-
-def loss(ys, params):
-    return jnp.sum(ys ** 2)
 
 
 def error(ys, ref):

@@ -15,11 +15,11 @@ against the JAX replay of the same mesh and Diffrax's Kvaerno5.
     .venv/bin/python benchmarks/kernel_adjoint.py [--quick] [--sizes 8,128]
 """
 
-from _harness import cli, fmt, front, levels, log, md_table, overlap, run, target, time_at, warm
+from _harness import (fmt, front, levels, log, main, md_table, overlap, sum_squares as loss,
+                      target, time_at, timed_fit, warm, xla_bytes)
 
-import contextlib  # noqa: E402
-import time  # noqa: E402
 import tracemalloc  # noqa: E402
+from unittest import mock  # noqa: E402
 
 import diffrax  # noqa: E402
 import equinox as eqx  # noqa: E402
@@ -33,10 +33,7 @@ from gradsolve.fields import _neural  # noqa: E402
 from gradsolve.warp import _jax  # noqa: E402
 
 RTOL, ATOL, MAX_STEPS = 1e-6, 1e-9, 256
-
-
-def loss(ys, params):
-    return jnp.sum(ys ** 2)
+KVAERNO5 = gs.engines.Diffrax(solver=diffrax.Kvaerno5(), checkpoints=4096)
 
 
 def _grad_time(prob, repeats, **kw):
@@ -53,26 +50,16 @@ def _diffrax(prob, repeats, **kw):
     return times[best], best
 
 
-@contextlib.contextmanager
-def _bridge(name):
-    """Host calls of the kernels traced inside the block go through `name`."""
-    saved = _jax.default_bridge
-    _jax.default_bridge = lambda: name
-    try:
-        yield
-    finally:
-        _jax.default_bridge = saved
-
-
 def lorenz(args):
-    sizes = args.sizes or ([8, 128] if args.quick else [8, 128, 1024, 8192])
+    sizes = args.sizes or ([8, 128] if args.quick else [8, 32, 128, 256, 1024, 8192])
     rows = []
     for n in sizes:
         prob = gs.problems.lorenz(n=n)
         reps = args.repeats or (3 if args.quick or n > 1024 else 7)
         kw = dict(rtol=RTOL, atol=ATOL)
         ka, vg = _grad_time(prob, reps, engine="kernel_adjoint", **kw)
-        with _bridge("callback"):  # the same kernels through jax.pure_callback
+        # The same kernels, their host calls traced through jax.pure_callback.
+        with mock.patch.object(_jax, "default_bridge", lambda: "callback"):
             callback = _grad_time(prob, reps, engine="kernel_adjoint", mesh=vg.mesh, **kw)[0]
         row = {"n": n, "repeats": reps, "S": vg.mesh.columns, "kernel_adjoint": ka,
                "kernel_adjoint_callback": callback,
@@ -104,8 +91,7 @@ def stiff(args):
                    "kernel_adjoint": ka,
                    "fused_replay": _grad_time(prob, reps, engine="fused_replay",
                                               mesh=vg.mesh, **kw)[0]}
-            kv = gs.engines.Diffrax(solver=diffrax.Kvaerno5(), checkpoints=4096)
-            row["diffrax"] = _grad_time(prob, reps, engine=kv, max_steps=4096, **kw)[0]
+            row["diffrax"] = _grad_time(prob, reps, engine=KVAERNO5, max_steps=4096, **kw)[0]
             log(f"  {name} n={n}: kernel_adjoint {ka * 1e3:.2f} ms, fused_replay "
                 f"x{row['fused_replay'] / ka:.2f}, Diffrax Kvaerno5 x{row['diffrax'] / ka:.2f}")
             rows.append(row)
@@ -116,13 +102,20 @@ def _memory(vg, prob):
     """`(XLA temporaries, host peak)` in bytes of one gradient call: the compiled
     function's memory analysis, and Python's traced allocations during the call (the
     in-kernel adjoint's NumPy buffers: the stored states, the per-trajectory rows)."""
-    mesh = getattr(vg, "mesh", None)
-    compiled = vg._call.lower(mesh, prob.params, prob.y0).compile().compiled
+    temp = xla_bytes(vg, getattr(vg, "mesh", None), prob.params, prob.y0)["temp"]
     tracemalloc.start()
     jax.block_until_ready(vg())
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    return compiled.memory_analysis().temp_size_in_bytes, peak
+    return temp, peak
+
+
+def _neural_robertson(B):
+    """`gs.problems.neural_robertson` with its last layer's weights at 0.05 (not zero:
+    the MLP's term then reaches the states)."""
+    prob = gs.problems.neural_robertson(n=B)
+    last = lambda p: p["mlp"].value.layers[-1].weight
+    return prob.replace(params=eqx.tree_at(last, prob.params, jnp.full((1, 16), 0.05)))
 
 
 def neural_stiff(args):
@@ -132,9 +125,7 @@ def neural_stiff(args):
     batches = [32] if args.quick else [32, 128, 512]
     rows = []
     for B in batches:
-        prob = gs.problems.neural_robertson(n=B)
-        last = lambda p: p["mlp"].value.layers[-1].weight
-        prob = prob.replace(params=eqx.tree_at(last, prob.params, jnp.full((1, 16), 0.05)))
+        prob = _neural_robertson(B)
         reps = args.repeats or 3
         kw = dict(method="rosenbrock23", rtol=1e-6, atol=1e-10)
         ka, vg = _grad_time(prob, reps, engine="kernel_adjoint", **kw)
@@ -143,8 +134,7 @@ def neural_stiff(args):
         for name, extra in (("replay", {}), ("replay_remat", {"remat": True})):
             t, v = _grad_time(prob, reps, engine="fused_replay", mesh=vg.mesh, **kw, **extra)
             row[name], row["memory"][name] = t, _memory(v, prob)
-        kv = gs.engines.Diffrax(solver=diffrax.Kvaerno5(), checkpoints=4096)
-        row["diffrax"], v = _grad_time(prob, reps, engine=kv, max_steps=4096, rtol=1e-6,
+        row["diffrax"], v = _grad_time(prob, reps, engine=KVAERNO5, max_steps=4096, rtol=1e-6,
                                        atol=1e-10)
         row["memory"]["diffrax"] = _memory(v, prob)
         log(f"  B={B}: kernel_adjoint {ka * 1e3:.1f} ms, replay x{row['replay'] / ka:.2f}, "
@@ -152,13 +142,6 @@ def neural_stiff(args):
             f"memory (MB) " + ", ".join(f"{k} {sum(m) / 1e6:.1f}" for k, m in row["memory"].items()))
         rows.append(row)
     return {"rtol": 1e-6, "atol": 1e-10, "batches": rows}
-
-
-def _timed_fit(cal, theta0, steps):
-    t = time.perf_counter()
-    res = cal.fit(theta0, steps=steps, progress=False)
-    jax.block_until_ready(res.theta)
-    return time.perf_counter() - t, res
 
 
 def spiral_fit(args):
@@ -180,10 +163,10 @@ def spiral_fit(args):
             cal = gs.Calibrator(prob, lambda ys, net, obs: jnp.mean((ys - obs) ** 2),
                                 to_params=lambda net: {"net": gs.Shared(net)}, data=data, ts=ts,
                                 rtol=1e-3, atol=1e-6, optimizer=optax.adam(3e-3), engine=engine)
-            _timed_fit(cal, theta0, 5), _timed_fit(cal, theta0, 25)  # compile both
-            t5, t25 = (np.median([_timed_fit(cal, theta0, n)[0] for _ in range(3)]) for n in (5, 25))
+            timed_fit(cal, theta0, 5), timed_fit(cal, theta0, 25)  # compile both
+            t5, t25 = (np.median([timed_fit(cal, theta0, n)[0] for _ in range(3)]) for n in (5, 25))
             row[side] = float((t25 - t5) / 20)
-            row[f"loss_{side}"] = float(_timed_fit(cal, theta0, 25)[1].loss[0])
+            row[f"loss_{side}"] = float(timed_fit(cal, theta0, 25)[1].loss[0])
         log(f"  B={B}: per update kernel_adjoint {row['kernel_adjoint'] * 1e3:.1f} ms, "
             f"fused_replay {row['fused_replay'] * 1e3:.1f} ms, Diffrax {row['diffrax'] * 1e3:.1f} ms")
         rows.append(row)
@@ -202,9 +185,7 @@ def neural_matched(args):
     species (y_ref: Rodas5P at rtol 1e-11), and log(time) is interpolated in log(error)
     on each side at errors both reach."""
     B = 32 if args.quick else 128
-    prob = gs.problems.neural_robertson(n=B)
-    last = lambda p: p["mlp"].value.layers[-1].weight
-    prob = prob.replace(params=eqx.tree_at(last, prob.params, jnp.full((1, 16), 0.05)))
+    prob = _neural_robertson(B)
     ref = gs.solve(prob, method="rodas5p", rtol=1e-11, atol=1e-14, engine="general").ys
     reps = args.repeats or 3
     sides = {"kernel_adjoint": [], "diffrax": []}
@@ -219,8 +200,7 @@ def neural_matched(args):
             f"{t * 1e3:.1f} ms")
     for rtol in (1e-2, 1e-3, 1e-4, 1e-5):
         kw = dict(rtol=rtol, atol=rtol * 1e-4)
-        kv = gs.engines.Diffrax(solver=diffrax.Kvaerno5(), checkpoints=4096)
-        t = _grad_time(prob, reps, engine=kv, max_steps=4096, **kw)[0]
+        t = _grad_time(prob, reps, engine=KVAERNO5, max_steps=4096, **kw)[0]
         sol = gs.solve(prob, engine=gs.engines.Diffrax(solver=diffrax.Kvaerno5()),
                        max_steps=4096, **kw)
         sides["diffrax"].append((_final_error(sol.ys, ref), t, rtol))
@@ -358,5 +338,4 @@ SECTIONS = {"lorenz": lorenz, "stiff": stiff, "neural": neural, "spiral_fit": sp
             "neural_stiff": neural_stiff, "neural_matched": neural_matched}
 
 if __name__ == "__main__":
-    args = cli(__doc__, SECTIONS)
-    run("kernel_adjoint", SECTIONS, render, targets, args)
+    main("kernel_adjoint", __doc__, SECTIONS, render, targets)

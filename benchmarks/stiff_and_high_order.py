@@ -16,7 +16,7 @@ attempted steps + 10%, reverse mode the faster of default checkpoints and
 """
 
 from _harness import (ROOT, cli, fmt, front, levels, log, md_table, overlap, ratio, run,
-                      target, time_at, warm)
+                      sum_squares, target, time_at, warm)
 
 import gc  # noqa: E402
 import json  # noqa: E402
@@ -37,10 +37,6 @@ E = [1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9, 1e-10]
 
 def robertson_loss(ys, params):
     return jnp.sum(ys[:, 0] ** 2) + 1e4 * jnp.sum(ys[:, 1])
-
-
-def sum_squares(ys, params):
-    return jnp.sum(ys ** 2)
 
 
 # Per problem: ours {method: (rtols, modes)}, theirs {Diffrax solver: (rtols, modes)},

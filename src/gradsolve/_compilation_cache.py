@@ -2,8 +2,9 @@
 
 A fit compiles its update once per process. With the cache, a second run of the same
 script in a new process compiles little: on the galactic-halo recipe (B = 8, K = 4) the
-first `fit(steps=1)` took 9.6 s in a fresh process and 3.2 s in the next one
-(benchmarks/fit_vs_diffrax.py, "Compile times").
+first `fit(steps=1)` took 4.30 s in a fresh process and 1.61 s in the next one
+(benchmarks/results/fit_vs_diffrax.json, section "compile"; docs/benchmarks.md,
+"Compile times").
 
 The cache lives in `$XDG_CACHE_HOME/gradsolve/jax` (default `~/.cache/gradsolve/jax`);
 it is not bounded (JAX's size limit needs the `filelock` package) and may be deleted

@@ -23,12 +23,11 @@ from .fused_replay import FusedReplay
 
 # The ensemble size from which the router prefers the in-kernel adjoint to the JAX
 # replay of the same mesh, per Warp device and method (None: by name only). Measured
-# on the 2-core CPU (benchmarks/kernel_adjoint.py): Tsit5 on Lorenz is slower than
-# fused_replay at n = 8 and 32 (the fixed costs of two launches and two host calls,
-# ~0.5 ms), 1.05-1.5x faster at n = 128 over two runs, 1.2x at 256, 3-3.5x from 1024;
-# Rosenbrock23 is faster at every size measured (Robertson and HIRES, n = 8 to 1024:
-# 1.2-9.5x over two runs), the JAX replay's batched LU solves being the slow part
-# there. Not measured on a GPU yet.
+# on the 2-core CPU (benchmarks/results/kernel_adjoint.json): Tsit5 on Lorenz is
+# slower than fused_replay at n = 8 (0.56x: the fixed costs of two launches and two
+# host calls), 1.47x faster at n = 128, 3.0-3.5x at 1024 and 8192; Rosenbrock23 is
+# faster at every size measured (Robertson and HIRES, n = 8 to 1024: 1.2-9.3x), the
+# JAX replay's batched LU solves being the slow part there. Not measured on a GPU yet.
 MIN_N = {"cpu": {"tsit5": 256, "rosenbrock23": 0}, "cuda": None}
 
 
