@@ -94,7 +94,11 @@ def _sir_problem(n=6, dtype=jnp.float64):
 
 @pytest.fixture(scope="module")
 def sir_registered():
-    gs.register_field("sir", _sir)
+    # One trajectory's shapes (Python floats take y0's dtype): the translation done here
+    # is the one the problems of _sir_problem() find in the cache.
+    gs.register_field("sir", _sir, example=(
+        jnp.zeros(3), {"beta": 0.0, "gamma": 0.0, "shift": jnp.zeros(2),
+                       "mix": gs.Shared(jnp.zeros((3, 3)))}))
     yield
     from gradsolve.warp import _registry
     _registry.TRANSLATED.pop(_sir)
@@ -326,8 +330,27 @@ def test_register_field_with_an_example_refuses_at_registration():
         gs.register_field("sir", _sir, example=prob)
 
 
+def test_register_field_translates_at_registration_without_a_problem():
+    # Registration translates at once whatever the caller has: from one trajectory's
+    # (y0, params) as well as from a problem, so a refused field raises there, naming
+    # the field and the primitive, and nothing stays registered; with nothing to
+    # trace at, registration is refused rather than silent. (Before: without a
+    # problem, registration passed and the refusal came at the first solve.)
+    from gradsolve.warp import _registry
+    with pytest.raises(_translate.UntranslatableField,
+                       match=r"'cond' has no fused form: the JAX primitive 'cond'.*jnp\.where"):
+        gs.register_field("cond", _cond_field, example=(jnp.ones(1), {"k": 1.0}))
+    assert _cond_field not in _registry.TRANSLATED
+    with pytest.raises(TypeError, match=r"register_field\('cond'\): example= is required"):
+        gs.register_field("cond", _cond_field)
+    assert _cond_field not in _registry.TRANSLATED
+    with pytest.raises(ValueError, match=r"register_field\('cond'\): example's y0 .* "
+                                         r"shape \(d,\), got \(2, 1\)"):
+        gs.register_field("cond", _cond_field, example=(jnp.ones((2, 1)), {"k": 1.0}))
+
+
 def test_registered_field_that_fails_later_warns_once_and_solves(monkeypatch):
-    # Registered without an example, the refusal is found at the first routing: a
+    # Registered at other shapes, a refusal at these is found at the first routing: a
     # warning names it, the solve takes the general path (correct against the closed
     # form y0 exp(-k t) on t < 1, then exp(k (t - 1)); measured 1.2e-9 componentwise at
     # rtol 1e-8, bound ~10x), a second solve of the same shape does not warn again.

@@ -18,10 +18,12 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..fields import _systems
-from ..problem import unwrap_shared
+from ..problem import EnsembleProblem, Shared, unwrap_shared
 from . import _translate
 
 
@@ -206,22 +208,29 @@ _TRANSLATIONS: dict = {}
 def register_field(name: str, f_jax: Callable, stiff: bool = False, *, example=None) -> None:
     """Give a JAX right-hand side a fused (Warp) form, translated from its jaxpr.
 
-    The translation depends on the problem's shapes, so it happens when a problem with
-    this `f_jax` is first routed -- or here, when `example` (a problem that uses
-    `f_jax`) is given: a field the translator cannot handle then raises at once. Found
-    later, a refusal (naming the JAX primitive, with what to write instead) warns once
-    per problem shape and the problem takes the general path, with the reason in
-    `passed_over`.
+    The translation traces the field at a state dimension and parameter shapes, which a
+    function alone does not tell, so `example` gives them: a problem that uses `f_jax`,
+    or one trajectory's `(y0, params)`. The field is translated here, at those shapes:
+    a field the translator cannot handle raises at once, naming the field and the JAX
+    primitive (with what to write instead). A problem with other shapes is translated
+    when first routed; a refusal found then (a field whose code depends on its shapes)
+    warns once per problem shape and the problem takes the general path, with the
+    reason in `passed_over`.
 
     Args:
         name: a name for messages.
         f_jax: `f(t, y, args)` of one trajectory, the function the problems use.
         stiff: also translate its Jacobian (`jax.jacfwd`), for the stiff fused kernel.
-        example: an `EnsembleProblem` with this `f_jax` to translate now.
+        example: an `EnsembleProblem` whose `f_jax` is this function, or a pair
+            `(y0, params)` of one trajectory: `y0` of shape `(d,)`, `params` as
+            `f_jax` receives them plus `gs.Shared(...)` around the shared ones
+            (values do not matter, only shapes and dtypes; Python floats take `y0`'s
+            dtype).
 
     Raises:
-        UntranslatableField: (a ValueError) `example` given and the field uses
-            something the translator does not handle.
+        UntranslatableField: (a ValueError) the field uses something the translator
+            does not handle at `example`'s shapes.
+        TypeError: no `example`.
 
     Examples:
         >>> import jax.numpy as jnp, gradsolve as gs
@@ -229,10 +238,10 @@ def register_field(name: str, f_jax: Callable, stiff: bool = False, *, example=N
         ...     s, i, r = y
         ...     return jnp.stack([-p["beta"] * s * i, p["beta"] * s * i - p["gamma"] * i,
         ...                       p["gamma"] * i])
+        >>> gs.register_field("sir", sir, example=(jnp.zeros(3), {"beta": 0.0, "gamma": 0.0}))
         >>> prob = gs.EnsembleProblem(sir, jnp.tile(jnp.array([0.99, 0.01, 0.0]), (4, 1)),
         ...                           {"beta": jnp.linspace(1.0, 2.0, 4),
         ...                            "gamma": jnp.full(4, 0.3)}, (0.0, 10.0))
-        >>> gs.register_field("sir", sir, example=prob)
         >>> gs.solve(prob).engine
         'fused'
     """
@@ -240,15 +249,42 @@ def register_field(name: str, f_jax: Callable, stiff: bool = False, *, example=N
         raise TypeError(f"f_jax must be callable, got {type(f_jax).__name__}")
     if f_jax in REGISTRY:
         raise ValueError(f"{name!r}: this function already has a hand-written fused form")
-    if example is not None and getattr(example, "f_jax", None) is not f_jax:
-        raise ValueError(f"example: expected an EnsembleProblem whose f_jax is the field "
-                         f"{name!r} being registered, got {type(example).__name__}")
+    prob = _example_problem(str(name), f_jax, example)
     TRANSLATED[f_jax] = (str(name), bool(stiff))
-    if example is not None:
-        field, why = fused_form(example, warn=False)
-        if field is None:
-            del TRANSLATED[f_jax]
-            raise _translate.UntranslatableField(why)
+    field, why = fused_form(prob, warn=False)
+    if field is None:
+        del TRANSLATED[f_jax]
+        raise _translate.UntranslatableField(why)
+
+
+def _example_problem(name: str, f_jax: Callable, example) -> EnsembleProblem:
+    """`register_field`'s `example` as a problem using `f_jax` (a `(y0, params)` pair
+    becomes a problem of one trajectory), refusing what gives no shapes to trace at."""
+    if example is None:
+        raise TypeError(
+            f"register_field({name!r}): example= is required: the translation traces the "
+            f"field at a state dimension and parameter shapes; give a problem that uses it, "
+            f"or one trajectory's (y0, params), e.g. example=(jnp.zeros(3), {{'k': 0.0}})")
+    if isinstance(example, tuple) and len(example) == 2:
+        y0, params = example
+        y0 = jnp.asarray(y0)
+        if y0.ndim != 1:
+            raise ValueError(f"register_field({name!r}): example's y0 is one trajectory's "
+                             f"state, of shape (d,), got {y0.shape}")
+        float_dtype = y0.dtype if jnp.issubdtype(y0.dtype, jnp.floating) else None
+
+        def one_row(x):
+            if isinstance(x, Shared) or callable(x):  # shared values, code: as they are
+                return x
+            return jnp.asarray(x, float_dtype if isinstance(x, float) else None)[None]
+
+        params = jax.tree.map(one_row, params, is_leaf=lambda x: isinstance(x, Shared))
+        return EnsembleProblem(f_jax, y0[None], params, (0.0, 1.0), name=name)
+    if getattr(example, "f_jax", None) is not f_jax:
+        raise ValueError(f"example: expected an EnsembleProblem whose f_jax is the field "
+                         f"{name!r} being registered, or (y0, params) of one trajectory, "
+                         f"got {type(example).__name__}")
+    return example
 
 
 def fused_form(prob, params=None, *, warn=True) -> tuple[FusedField | None, str | None]:
