@@ -29,10 +29,13 @@ demo: $(STAMP)
 # are single-threaded (a fresh clone on 2 cores: 589 s serial, 396-474 s with two
 # workers in xdist's own order).
 # Then tests/float32 in a pytest of its own with jax_enable_x64 off (one switch per
-# process): float32 is how most JAX users run.
+# process): float32 is how most JAX users run. Then, where nvidia-smi finds a GPU,
+# tests/gpu with Warp on CUDA (the runs before pin JAX and Warp to the CPU).
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
 	GRADSOLVE_TEST_X64=0 $(PY) -m pytest -q tests/float32
+	if nvidia-smi > /dev/null 2>&1; then GRADSOLVE_TEST_GPU=1 $(PY) -m pytest -q tests/gpu; \
+	else echo "tests/gpu not run: nvidia-smi finds no GPU"; fi
 
 # Every script under benchmarks/ (their stored sections measured 40 min in all on the
 # 2-core machine); each refuses to store a result from uncommitted code.

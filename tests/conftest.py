@@ -4,11 +4,22 @@ own steps cast coefficients to the state dtype).
 `tests/float32/` holds the tests of the way most JAX users run: `jax_enable_x64` off,
 float32 throughout. x64 is one switch per process, so `make test` runs that folder in a
 second pytest with `GRADSOLVE_TEST_X64=0`; the float64 run leaves it out.
+
+JAX and Warp are both pinned to the CPU (`JAX_PLATFORMS`, `GRADSOLVE_WARP_DEVICE`): the
+router's table and the JAX-Warp bridge differ on a GPU, and the suite checks the CPU
+ones on every machine. `tests/gpu/` checks the GPU side: `GRADSOLVE_TEST_GPU=1` leaves
+both unpinned (Warp then must find a GPU) and collects that folder only; `make test`
+runs it where `nvidia-smi` finds a GPU, other runs leave it out and say so.
 """
 
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+GPU = os.environ.get("GRADSOLVE_TEST_GPU", "0") == "1"
+if GPU:
+    os.environ.setdefault("GRADSOLVE_WARP_DEVICE", "cuda")
+else:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("GRADSOLVE_WARP_DEVICE", "cpu")
 
 import jax  # noqa: E402
 
@@ -16,6 +27,18 @@ X64 = os.environ.get("GRADSOLVE_TEST_X64", "1") != "0"
 jax.config.update("jax_enable_x64", X64)
 
 collect_ignore = ["float32"] if X64 else []
+if GPU:  # the GPU run: tests/gpu alone (the rest expects the CPU pins)
+    collect_ignore.append("float32")
+    collect_ignore_glob = ["test_*.py"]
+else:
+    collect_ignore.append("gpu")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not GPU and X64:  # once per make test (the float32 run would repeat it)
+        terminalreporter.write_line("tests/gpu not run: it needs a GPU and "
+                                    "GRADSOLVE_TEST_GPU=1 (make test does both where "
+                                    "nvidia-smi finds a GPU)")
 
 
 # The heaviest test files first: with one file per pytest-xdist worker (`make test`),

@@ -81,8 +81,10 @@ def _key(text: str) -> int:
 
 
 def default_bridge() -> str:
-    """`"ffi"` on the CPU, else `"callback"`."""
-    return "ffi" if _runtime.device() == "cpu" else "callback"
+    """`"ffi"` when Warp and JAX both run on the CPU, else `"callback"` (JAX on a GPU
+    hands an FFI call device buffers, whatever Warp's device)."""
+    both_cpu = _runtime.device() == "cpu" and jax.default_backend() == "cpu"
+    return "ffi" if both_cpu else "callback"
 
 
 def _run(key, args, outs):

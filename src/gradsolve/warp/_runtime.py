@@ -57,10 +57,29 @@ def _native_stderr():
             text.append(sink.read().decode(errors="replace"))
 
 
+DEVICE_SETTING = "GRADSOLVE_WARP_DEVICE"
+
+
 @functools.cache
 def device() -> str:
-    """`"cuda"` when Warp sees a GPU, else `"cpu"`."""
-    return "cuda" if warp().get_cuda_device_count() > 0 else "cpu"
+    """The Warp device the fused engines run on: `GRADSOLVE_WARP_DEVICE` when set
+    (`cpu` or `cuda`), else `"cuda"` when Warp sees a GPU and `"cpu"` otherwise.
+
+    Read once per process, at the first routing of a registered field. The test suite
+    sets it to `cpu`, as it sets `JAX_PLATFORMS`: the router's table and the JAX-Warp
+    bridge depend on the device, and tests/gpu runs the GPU side on its own.
+    """
+    value = os.environ.get(DEVICE_SETTING, "")
+    if value not in ("", "cpu", "cuda"):
+        raise ValueError(f"{DEVICE_SETTING} must be 'cpu' or 'cuda' (unset: a GPU when Warp "
+                         f"sees one), got {value!r}")
+    if value == "cpu":
+        return "cpu"  # no need to start Warp to know
+    gpus = warp().get_cuda_device_count()
+    if value == "cuda" and gpus == 0:
+        raise ValueError(f"{DEVICE_SETTING}=cuda, but Warp sees no CUDA device (driver "
+                         f"missing or no GPU visible)")
+    return "cuda" if gpus > 0 else "cpu"
 
 
 def cache_dir() -> pathlib.Path:
