@@ -9,9 +9,21 @@ The final state's leaves are written to OUT.npz. With `--barrier DIR`, the proce
 waits until two processes have arrived there before it starts the fit (the
 concurrent-writer test). Exit code 3 and a line `LOCKED: ...` when another live
 process holds the checkpoint directory.
+
+With FIT_WORKER_KILL=WHERE:N in the environment the process kills itself (SIGKILL)
+at a chosen point of the save of step N, so that the kill -9 test lands where it
+means to, whatever the machine's speed:
+- `update:N`: after update N, with step N-1 written and no save under way;
+- `write:N`: inside Orbax's write of step N (in its background thread, while the fit
+  goes on): the step's temporary directory exists, being written;
+- `commit:N`: every file of step N written, just before Orbax renames its temporary
+  directory to `N`.
 """
 
 import argparse
+import contextlib
+import errno
+import os
 import pathlib
 import sys
 import time
@@ -83,6 +95,87 @@ def flip_a_byte(step_dir):
     target.write_bytes(bytes(raw))
 
 
+def step_of(path):
+    """The step a path inside a checkpoint directory belongs to (`<step>` or Orbax's
+    temporary `<step>.orbax-checkpoint-tmp...`; the innermost such part), or None."""
+    for part in reversed(pathlib.Path(path).parts):
+        head = part.split(".orbax-checkpoint-tmp")[0]
+        if head.isdigit():
+            return int(head)
+    return None
+
+
+@contextlib.contextmanager
+def hooked_writes(steps, hook):
+    """Orbax's writer of a step's JSON metadata calling `hook()` first for `steps`: a
+    hook that raises `OSError(ENOSPC)` is a save failing as on a full disk. The writer
+    runs where Orbax writes the step's data: in its background thread when saves are
+    asynchronous, so an error surfaces only when the save is waited for, as a real
+    one does."""
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
+    write = jh.JsonCheckpointHandler._save_fn
+
+    async def hooked(self, x, directory):
+        if step_of(directory) in steps:
+            hook()
+        return await write(self, x, directory)
+    jh.JsonCheckpointHandler._save_fn = hooked
+    try:
+        yield
+    finally:
+        jh.JsonCheckpointHandler._save_fn = write
+
+
+def no_space():
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def kill_at(where, step):
+    """Make this process SIGKILL itself at `where` of step `step`'s save (see the
+    module docstring)."""
+    import asyncio
+    import os
+    import signal
+
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
+    from orbax.checkpoint._src.path import atomicity
+
+    from gradsolve.calibrate._checkpoint import Checkpoints
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if where == "update":
+        save = Checkpoints.save
+
+        def killing(self, n, *args, **kwargs):
+            if n == step:
+                self.wait()
+                die()
+            return save(self, n, *args, **kwargs)
+        Checkpoints.save = killing
+    elif where == "write":
+        write = jh.JsonCheckpointHandler._save_fn
+
+        async def killing(self, x, directory):
+            if step_of(directory) == step:
+                await asyncio.sleep(0.05)  # the step's other writes under way too
+                die()
+            return await write(self, x, directory)
+        jh.JsonCheckpointHandler._save_fn = killing
+    elif where == "commit":
+        finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+        async def killing(self, *args, **kwargs):
+            if self.get_final().name == str(step):
+                die()
+            return await finalize(self, *args, **kwargs)
+        atomicity.AtomicRenameTemporaryPath.finalize = killing
+    else:
+        raise ValueError(f"FIT_WORKER_KILL: where must be update, write or commit, "
+                         f"got {where!r}")
+
+
 def assert_same_state(a, b):
     """Two fit states (or FitResults) equal leaf for leaf, bit for bit."""
     a, b = (getattr(x, "state", x) for x in (a, b))
@@ -104,9 +197,12 @@ def main():
     p.add_argument("--barrier", default=None)
     args = p.parse_args()
     cal = calibrator(args.checkpoint_dir, checkpoint_every=1)
+    if os.environ.get("FIT_WORKER_KILL"):
+        where, step = os.environ["FIT_WORKER_KILL"].split(":")
+        kill_at(where, int(step))
     if args.barrier is not None:
         barrier = pathlib.Path(args.barrier)
-        (barrier / str(__import__("os").getpid())).touch()
+        (barrier / str(os.getpid())).touch()
         while len(list(barrier.iterdir())) < 2:
             time.sleep(0.01)
     print("ready", flush=True)

@@ -14,7 +14,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,68 @@ def test_relative_dir_ctrl_c_and_resume_after_refresh(tmp_path, monkeypatch, ref
     assert again.resumed_from == STEPS
     assert_same_state(again, reference[0])
     assert set_aside(tmp_path / "runs/fit") == []
+
+
+def test_a_full_disk_at_a_save_keeps_the_fit_and_names_the_last_step(tmp_path, reference):
+    # A full disk during a save ended the fit with Orbax's raw `ValueError:
+    # RESOURCE_EXHAUSTED ...` (measured on a 200 kB tmpfs) and the updates since the
+    # last save were lost. Now each failed save is a warning naming the last step
+    # saved, the fit goes on (the next save writes again), and the result holds every
+    # update. The disk is "full" for the saves of steps 10, 15 and 40 (the fit's end).
+    ckpt = tmp_path / "fit"
+    with fit_worker.hooked_writes({10, 15, 40}, fit_worker.no_space), \
+            pytest.warns(UserWarning) as caught:
+        res = calibrator(ckpt, checkpoint_every=5).fit(THETA0, steps=STEPS, progress=False)
+    failed = [str(w.message) for w in caught if "could not be saved" in str(w.message)]
+    assert len(failed) == 3, failed
+    for message, step, last in zip(failed, (10, 15, 40), (5, 5, 35)):
+        assert message.startswith(f"checkpoint step {step} could not be saved") \
+            and "No space left on device" in message \
+            and f"the last step saved is {last}" in message, message
+    assert_same_state(res, reference[0])  # every update is in the result
+    assert steps_in(ckpt) == [25, 30, 35]  # step 20 was saved after 10 and 15 failed
+    # The failed saves' partial directories are not listed, and go at the next start.
+    assert sorted(p.name for p in ckpt.iterdir() if "tmp" in p.name) == [
+        f"{step}.orbax-checkpoint-tmp" for step in (10, 15, 40)]
+    # With space again, the same fit resumes from the last good step, bit for bit.
+    again = calibrator(ckpt, checkpoint_every=5).fit(THETA0, steps=STEPS, progress=False)
+    assert again.resumed_from == 35 and steps_in(ckpt)[-1] == STEPS
+    assert not [p for p in ckpt.iterdir() if "tmp" in p.name]
+    assert_same_state(again, reference[0])
+
+
+def test_ctrl_c_when_its_save_fails_names_the_last_step_saved(tmp_path, capsys):
+    cal = interrupting(calibrator(tmp_path / "fit", checkpoint_every=5), 13)
+    with fit_worker.hooked_writes({13}, fit_worker.no_space), pytest.raises(KeyboardInterrupt), \
+            pytest.warns(UserWarning, match="checkpoint step 13 could not be saved"):
+        cal.fit(THETA0, steps=STEPS, progress=False)
+    assert "fit interrupted after 13 updates; saving it failed (see the warning above); " \
+        "the last step saved is 10" in capsys.readouterr().err
+    assert steps_in(tmp_path / "fit") == [5, 10]
+
+
+def test_the_fit_goes_on_while_a_step_is_written(tmp_path):
+    # A save used to hold the fit until it was written (a 1000-update SEIR fit took
+    # 47.9 s with a save every 25 updates, 22.6 s without). Now Orbax writes in the
+    # background: step 5's writer here waits until update 7 has run, which only an
+    # asynchronous save allows (a synchronous one times out and fails the save).
+    cal, ran = calibrator(tmp_path / "fit", checkpoint_every=5), threading.Event()
+    update, calls = cal._update, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 7:
+            ran.set()
+        return update(*args, **kwargs)
+    cal._update = counting
+
+    def after_update_7():
+        if not ran.wait(timeout=60):
+            raise TimeoutError("update 7 did not run while step 5 was written")
+    with fit_worker.hooked_writes({5}, after_update_7), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="checkpoint step")  # a failed save warns
+        cal.fit(THETA0, steps=10, progress=False)
+    assert steps_in(tmp_path / "fit") == [5, 10]
 
 
 def test_ctrl_c_before_the_first_update_saves_nothing(tmp_path, capsys):
@@ -178,39 +241,37 @@ def test_two_processes_on_one_directory(tmp_path):
     assert "LOCKED: checkpoint_dir" in locked and "is in use by another fit (pid" in locked
 
 
-def test_kill_9_at_random_moments_resumes_bit_identically(tmp_path, reference):
-    # kill -9 six times: three at random moments of a run, three the instant a save is
-    # under way (Orbax's temporary step directory exists). Then let it finish: the
-    # final state equals the uninterrupted fit's bit for bit and no good step was set
-    # aside. Each process resumes from the previous one's checkpoints (refresh every
-    # 3 updates, a save every update).
+# Where each run of the kill -9 test kills itself (fit_worker's FIT_WORKER_KILL), and
+# the newest step then on disk: between updates, inside a save's write (in Orbax's
+# background thread, the fit going on) and with a step written but not yet renamed.
+# Four kills and a last run: five processes, as cheap as the six random kills were
+# (measured 26 s and 37 s against 46 s and 47 s, the loaded 2-core machine).
+KILLS = [("update", 7, 6), ("write", 14, 13), ("commit", 22, 21), ("write", 31, 30)]
+
+
+def test_kill_9_inside_and_between_saves_resumes_bit_identically(tmp_path, reference):
+    # kill -9 four times, at points chosen inside the worker (it used to sleep for a
+    # random time or poll for Orbax's temporary directory, so where the kills landed,
+    # and whether any landed inside a save, depended on the machine's load). Each run
+    # resumes from the previous one's checkpoints (a save every update, a refresh
+    # every 3), losing only the step being saved; the last run finishes, and its state
+    # equals the uninterrupted fit's bit for bit, with no good step set aside.
     ckpt, out = tmp_path / "fit", tmp_path / "out.npz"
-    rng = np.random.default_rng(0)
-    mid_save = kills = 0
-    for trial in range(6):
-        proc = subprocess.Popen([sys.executable, str(WORKER), str(ckpt), str(out),
-                                 "--steps", str(STEPS)],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert proc.stdout.readline().strip() == "ready"
-        if trial % 2 == 0:
-            time.sleep(rng.uniform(0.0, 1.5))
-        else:
-            deadline = time.monotonic() + 60
-            while not any("tmp" in p.name for p in ckpt.glob("*")) \
-                    and time.monotonic() < deadline and proc.poll() is None:
-                time.sleep(0.0005)
-        if proc.poll() is None:
-            mid_save += any("tmp" in p.name for p in ckpt.glob("*"))
-            proc.send_signal(signal.SIGKILL)
-            kills += 1
-        proc.wait()
-    final = subprocess.run([sys.executable, str(WORKER), str(ckpt), str(out),
-                            "--steps", str(STEPS)], capture_output=True, text=True,
-                           timeout=300)
-    assert final.returncode == 0, final.stderr
-    assert kills == 6 and mid_save >= 1  # every run was killed, some inside a save
-    print(f"kills {kills}, inside a save {mid_save}")
-    assert set_aside(ckpt) == []
+    worker = [sys.executable, str(WORKER), str(ckpt), str(out), "--steps", str(STEPS)]
+    resumed = None
+    for where, step, last in KILLS:
+        run = subprocess.run(worker, env={**os.environ, "FIT_WORKER_KILL": f"{where}:{step}"},
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == -signal.SIGKILL, (where, step, run.stderr[-2000:])
+        assert resumed is None or f"resumed from checkpoint step {resumed} " in run.stderr
+        assert steps_in(ckpt)[-1] == last
+        # Inside a save: the step's temporary directory is there, and not listed.
+        assert (ckpt / f"{step}.orbax-checkpoint-tmp").exists() == (where != "update")
+        resumed = last
+    final = subprocess.run(worker, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr[-2000:]
+    assert f"done {STEPS} resumed_from {resumed}" in final.stdout
+    assert set_aside(ckpt) == [] and not [p for p in ckpt.iterdir() if "tmp" in p.name]
     saved = np.load(out)
     want = [np.asarray(x) for x in jax.tree.leaves(reference[0].state._asdict())]
     assert len(saved.files) == len(want)

@@ -7,6 +7,12 @@ What a checkpoint directory guarantees:
 - **Atomic steps.** Orbax writes each step to a temporary directory and renames it
   when complete, so an interrupted save (Ctrl-C, kill -9, a full disk) never touches
   the previous step.
+- **Asynchronous saves.** A save copies the state and returns; Orbax writes it in a
+  background thread while the fit goes on, and the next save (or the fit's end) waits
+  for it first: one save under way at a time.
+- **A failed save is not fatal.** A save that fails (a full disk; a background save's
+  error surfaces when it is waited for) is reported by a warning naming the step and
+  the last step saved; the fit's state stays in memory and the next save writes it.
 - **Checksums.** A finalised step whose data were damaged afterwards (Orbax restores a
   flipped bit silently) fails its checksum; only such a step -- unreadable, or failing
   its checksum -- is set aside (renamed `<step>.damaged`), and the previous one is used.
@@ -142,14 +148,22 @@ class Checkpoints:
     Args:
         directory: where the steps live (made absolute; created if missing).
         max_to_keep: how many steps to keep (>= 2, so there is a fallback).
+        asynchronous: write each step in a background thread (Orbax's asynchronous
+            checkpointing) while the caller goes on; False waits for every save.
+
+    Attributes:
+        saved: the newest step known to be complete on disk (written by this object,
+            or restored by `restore_latest`); None if there is none.
 
     Raises:
         CheckpointLocked: another live process holds the directory.
     """
 
-    def __init__(self, directory, max_to_keep=3):
+    def __init__(self, directory, max_to_keep=3, asynchronous=True):
         self._ocp = ocp
         self.directory = check_directory(directory)
+        self.asynchronous = bool(asynchronous)
+        self.saved = self._writing = None
         # Several processes of one job (gs.distributed) write one checkpoint together
         # (Orbax's multi-process saves): the first holds the lock for all of them.
         self._lock = _Lock(self.directory) if jax.process_index() == 0 else _NoLock()
@@ -157,28 +171,79 @@ class Checkpoints:
             self.manager = ocp.CheckpointManager(
                 self.directory,
                 options=ocp.CheckpointManagerOptions(
-                    max_to_keep=max(2, int(max_to_keep)), enable_async_checkpointing=False,
+                    max_to_keep=max(2, int(max_to_keep)),
+                    enable_async_checkpointing=self.asynchronous,
                     cleanup_tmp_directories=True, create=True))
         except BaseException:
             self._lock.release()
             raise
 
-    def save(self, step: int, state, meta: dict):
+    def save(self, step: int, state, meta: dict) -> bool:
+        """Start writing `state` as `step` and return once it is copied (asynchronous)
+        or written. The save under way, if any, is finished first (see `wait`).
+
+        Returns False, with a warning naming the step and the last step saved, when
+        this save or the one before it failed; the caller keeps its state and the next
+        save writes it again."""
+        ok = self.wait()
+        # Host copies: the caller goes on while Orbax writes in the background and
+        # updates some leaves in place (the loss history); the checksum is then of
+        # exactly the bytes written.
+        state = jax.tree.map(lambda x: np.array(x, copy=True), state)
         meta = dict(meta, checksum=checksum(state), shapes=shapes(state),
                     x64=bool(jax.config.jax_enable_x64))
         args = self._ocp.args
-        self.manager.save(int(step), args=args.Composite(
-            state=args.StandardSave(state), meta=args.JsonSave(meta)), force=True)
-        self.manager.wait_until_finished()
+        try:
+            self.manager.save(int(step), args=args.Composite(
+                state=args.StandardSave(state), meta=args.JsonSave(meta)), force=True)
+        except Exception as e:  # noqa: BLE001 - a full disk, any I/O error: the fit goes on
+            return self._failed(int(step), e)
+        self._writing = int(step)
+        if not self.asynchronous:
+            ok = self.wait() and ok
+        return ok
+
+    def wait(self) -> bool:
+        """Wait for the save under way, if any; False (with a warning) if it failed.
+
+        A background save's error surfaces only here (Orbax raises it when the save
+        is waited for)."""
+        step = self._writing
+        if step is None:
+            return True
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - see `save`
+            self._writing = None
+            return self._failed(step, e)
+        # Cleared only once the wait is over: a Ctrl-C inside the wait leaves the step
+        # under way, to be waited for again.
+        self._writing, self.saved = None, step
+        return True
+
+    def _failed(self, step, err) -> bool:
+        """Report a failed save. Its partial directory is left to Orbax, which removes
+        it at the next start: when one of a save's writes fails, Orbax raises without
+        waiting for the others, which still write there (removing it at the next save
+        raced them and, under load, they made it again)."""
+        last = (f"the last step saved is {self.saved}" if self.saved is not None
+                else "no step is saved yet")
+        warnings.warn(f"checkpoint step {step} could not be saved in {self.directory} "
+                      f"({type(err).__name__}: {err}); {last}. The fit's state is kept in "
+                      f"memory: the next save writes it again, and the result returned "
+                      f"holds every update", stacklevel=3)
+        return False
 
     def steps(self):
         return sorted(self.manager.all_steps())
 
     def discard(self):
         """Delete every step (a fit started over with `resume=False`)."""
+        self.wait()
         for step in self.steps():
             self.manager.delete(step)
         self.manager.reload()
+        self.saved = None
 
     def restore_latest(self, like, check_meta):
         """The newest step that restores and verifies, as `(step, state, meta)`, or
@@ -192,6 +257,7 @@ class Checkpoints:
             for step in reversed(self.steps()):
                 found = self._restore_step(step, like, check_meta)
                 if found is not None:
+                    self.saved = step
                     return (step,) + found
                 skipped.append(step)
             return None
@@ -257,6 +323,11 @@ class Checkpoints:
         return state, meta
 
     def close(self):
-        with contextlib.suppress(Exception):
-            self.manager.close()
-        self._lock.release()
+        """Finish the save under way (its failure is warned about), then let go of the
+        directory."""
+        try:
+            self.wait()
+        finally:
+            with contextlib.suppress(Exception):
+                self.manager.close()
+            self._lock.release()
