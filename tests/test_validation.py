@@ -1,12 +1,17 @@
 """Bad input gets a clear error naming the field, before anything compiles."""
 
+import re
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import gradsolve as gs
+from gradsolve import layout
+from gradsolve.calibrate import _calibrator
 
 
 def f(t, y, p):
@@ -107,3 +112,127 @@ def test_mesh_must_fit_the_problem():
         gs.value_and_grad(other, lambda ys, p: jnp.sum(ys), mesh=mesh)
     with pytest.raises(TypeError, match="mesh must be a gs.Mesh"):
         gs.value_and_grad(make(), lambda ys, p: jnp.sum(ys), mesh=np.ones((4, 3)))
+
+
+# -- buckets: bounded whatever is asked (issue 27, item 1) -----------------------------
+
+def test_buckets_are_clamped_to_the_rows_and_capped():
+    # buckets=64 on 4 trajectories used to build 64 buckets of filler rows, each one
+    # more scan to compile (42.9 s against 5.3 s with buckets=2; a Calibrator with
+    # buckets=1000 traced for 23+ minutes). A bucket holds at least LANES rows a
+    # device, so more than ceil(n / (devices * LANES)) buckets only add filler.
+    steps = np.arange(1, 41) * 3
+    for n, asked in [(4, 2), (4, 16), (40, 16), (40, 3), (1000, 16)]:
+        got = layout.arrange(n, n_steps=np.resize(steps, n), buckets=asked).widths
+        assert len(got) == min(asked, -(-n // layout.LANES)), (n, asked, got)
+    # Above MAX_BUCKETS: refused before anything is recorded, whatever n is.
+    with pytest.raises(ValueError, match=f"buckets must be at most {layout.MAX_BUCKETS}"):
+        gs.value_and_grad(make(), lambda ys, p: jnp.sum(ys), buckets=64)
+    with pytest.raises(ValueError, match=f"buckets must be at most {layout.MAX_BUCKETS}"):
+        gs.Calibrator(make(), lambda ys, th, d: jnp.sum(ys), buckets=1000)
+    vg = gs.value_and_grad(make(), lambda ys, p: jnp.sum(ys), buckets=layout.MAX_BUCKETS)
+    assert len(vg.arrangement.widths) == 1
+
+
+# -- the Calibrator's inputs (issue 27, items 4-8) -------------------------------------
+
+def _rates(data=None, loss=None, **kw):
+    """Two fits of two decaying trajectories each; theta = {"k": (2,)}."""
+    kw.setdefault("optimizer", optax.adam(0.1))
+    return gs.Calibrator(
+        make(f_jax=lambda t, y, p: -p["k"] * y, y0=jnp.ones((4, 1))),
+        loss or (lambda ys, th, d: jnp.sum((ys - d["obs"]) ** 2)),
+        data={"obs": jnp.full((2, 2, 1), 0.5)} if data is None else data, **kw)
+
+
+@pytest.mark.parametrize("bad,shown", [(jnp.nan, "nan"), (-jnp.inf, "-inf")])
+def test_nonfinite_data_is_refused_naming_leaf_and_index(bad, shown):
+    # A NaN measurement used to stop its fit at step 0 as 'nonfinite', pointing
+    # nowhere near the data.
+    data = {"obs": jnp.full((2, 2, 1), 0.5).at[1, 0, 0].set(bad)}
+    with pytest.raises(ValueError, match=re.escape(
+            f"data['obs'] holds a non-finite value ({shown}) at index (1, 0, 0)")):
+        _rates(data=data)
+
+
+def test_loss_must_return_a_scalar_per_fit():
+    # It used to fail inside the update with "shape mismatch: value array of shape
+    # (2,2,2) could not be broadcast to indexing result of shape (2,)".
+    cal = _rates(loss=lambda ys, th, d: (ys - d["obs"]) ** 2)
+    with pytest.raises(ValueError, match=re.escape(
+            "loss must return a scalar per fit (shape ()); loss(ys_b, theta_b, data_b) "
+            "returned float64[2, 1]")):
+        cal.fit({"k": jnp.ones(2)}, steps=2, progress=False)
+
+
+def test_optimizer_needing_value_or_grad_is_refused_by_name():
+    # optax.lbfgs's line search needs value, grad and value_fn in update(): it used to
+    # fail with a raw TypeError from update_fn once the update was being traced.
+    with pytest.raises(TypeError, match=r"optimizer\.update needs the extra arguments "
+                                        r"\['grad', 'value', 'value_fn'\].*not yet supported"):
+        _rates(optimizer=optax.lbfgs()).fit({"k": jnp.ones(2)}, steps=2, progress=False)
+    # Extra-args transformations that need none of them stay accepted.
+    u_b = {"k": jax.ShapeDtypeStruct((), jnp.float64)}
+    for ok in (optax.chain(optax.clip(1.0), optax.adam(0.1)),
+               optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), optax.adam(0.1)):
+        _calibrator._check_optimizer(ok, u_b)
+
+
+def _result(k):
+    """A FitResult of two fits of theta = {"k": k}, as `_rates` would return."""
+    return gs.FitResult(theta={"k": jnp.asarray(k)}, loss=jnp.array([1e-9, 3.0]),
+                        converged=jnp.array([True, False]), status=jnp.array([1, 2]),
+                        steps=jnp.array([40, 100]), history=jnp.zeros((100, 2)),
+                        grad_norm=jnp.zeros(2), refreshes=0, drift={}, engine="e",
+                        updates=100, status_names=("converged", "step_cap"))
+
+
+def test_one_true_value_is_broadcast_to_every_fit():
+    res = _result([0.5, 2.0])
+    # |0.5 - 0.7| / 0.7 and |2.0 - 0.7| / 0.7, by hand.
+    lines = res.table(true={"k": 0.7}).splitlines()[1:]
+    assert [line.split()[1:4] for line in lines] == [["0.5", "0.7", "2.86e-01"],
+                                                      ["2", "0.7", "1.86e+00"]]
+    assert res.table(true={"k": 0.7}) == res.table(true={"k": np.full(2, 0.7)})
+    with pytest.raises(ValueError, match=re.escape(
+            "true['k'] has shape (3,): give one value, or one per fit (2,)")):
+        res.table(true={"k": np.ones(3)})
+
+
+def test_zero_devices_is_not_reported_as_too_many():
+    # Was "devices=0: there are 1 devices (cpu)".
+    with pytest.raises(ValueError, match="devices must be a positive number of devices, got 0"):
+        gs.value_and_grad(make(), lambda ys, p: jnp.sum(ys), devices=0)
+
+
+def test_theta0_of_another_dtype_is_named():
+    # Was blamed on "theta_b broadcast to K (no to_params)"'s dtype.
+    with pytest.raises(TypeError, match=re.escape(
+            "theta0['k'] has dtype float32 but the problem is float64 (its y0)")):
+        _rates().fit({"k": jnp.ones(2, jnp.float32)}, steps=2, progress=False)
+
+
+def test_profile_grid_errors_name_the_grid():
+    cal, res = _rates(transform={"k": gs.transforms.Bounded(0.5, 2.0)}), _result([1.0, 1.5])
+    # Was "theta0['k'] of fit 1 (3.0) is outside the domain ..." and "grid must hold
+    # finite values, got []".
+    with pytest.raises(ValueError, match=re.escape(
+            "grid[1] = 3.0 is outside the domain of theta['k']'s transform "
+            "Bounded(lo=0.5, hi=2.0)")):
+        cal.profile(res, "k", [1.0, 3.0], steps=2, progress=False)
+    with pytest.raises(ValueError, match="grid is empty: give at least one value to fix "
+                                         "'k' at"):
+        cal.profile(res, "k", [], steps=2, progress=False)
+
+
+def test_resume_message_says_which_count_is_per_fit(tmp_path, capsys):
+    # Two starts through one slot, 3 updates each: 6 updates in all. The message used
+    # to read "(6 updates done, cap 4)", a total beside a per-fit cap.
+    def fit(steps):
+        return _rates(checkpoint_dir=tmp_path / "fit", checkpoint_every=2).fit(
+            {"k": jnp.ones(2)}, steps=steps, progress=False, slots=1)
+    assert fit(3).updates == 6
+    capsys.readouterr()
+    assert fit(4).steps.tolist() == [4, 4]
+    assert "(6 updates run in all; the fits have done 3..3 updates each, capped at " \
+           "steps=4 per fit)" in capsys.readouterr().err

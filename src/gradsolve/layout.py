@@ -46,8 +46,9 @@ AXIS = "ensemble"
 # The default device split starts at this many trajectories per device. Measured on
 # 2 forced host devices of the 2-core CPU (benchmarks/scale.py, docs/benchmarks.md):
 # the Lorenz gradient is 0.6-0.8x on two devices at 32-128 rows per device and
-# 1.3-2.6x from 256 on; the general record alone pays from ~2048 per device. The
-# gradient is what is called repeatedly. Named `devices=` always split.
+# 1.3-2.6x from 256 on; the general record alone is 0.5-1.5x with no size from which
+# it pays throughout. The gradient is what is called repeatedly. Named `devices=`
+# always split.
 MIN_ROWS_PER_DEVICE = 256
 # Bucketing: the default number of buckets is the smallest of `BUCKETS` whose padded
 # work is within `BUCKET_SLACK` of the largest's, with at least `MIN_BUCKET_ROWS` rows
@@ -55,6 +56,13 @@ MIN_ROWS_PER_DEVICE = 256
 BUCKETS = (1, 2, 4, 8)
 BUCKET_SLACK = 1.15
 MIN_BUCKET_ROWS = 256
+# The most buckets `buckets=` may ask for: each is one more replay scan to compile,
+# and a replay's compile time grows with them (issue 27: 64 buckets of Lorenz took
+# 42.9 s to the first gradient on 4 rows, 2 buckets 5.3 s: ~0.6 s a bucket), while
+# the padded work saved flattens out well before, the widths snapping to a few values
+# (docs/benchmarks.md, Scaling: a heavy-tailed ensemble's work is 2.02x less in 4
+# buckets, 2.08x in 8). Twice the largest default.
+MAX_BUCKETS = 16
 # XLA's CPU vector width in float64 lanes, at most (8: AVX-512). Every piece of rows
 # is a multiple of it, so that no row falls in a vector loop's scalar remainder: the
 # remainder rounds differently (libm `pow` in the recorder's controller, a multiply
@@ -93,7 +101,11 @@ def device_mesh(devices, n: int | None = None):
         devices = list(devices.devices)
     elif isinstance(devices, (int, np.integer)) and not isinstance(devices, bool):
         found = jax.devices()
-        if not 1 <= devices <= len(found):
+        if devices < 1:
+            raise ValueError(f"devices must be a positive number of devices, got {devices} "
+                             f"(or None, a sequence of jax devices, a 1-D "
+                             f"jax.sharding.Mesh)")
+        if devices > len(found):
             raise ValueError(f"devices={devices}: there are {len(found)} devices "
                              f"({found[0].platform})")
         devices = found[:devices]
@@ -297,11 +309,21 @@ def rows_within(budget: int, per_row: int, what: str, held: int = 0) -> int:
 
 
 def check_buckets(buckets):
-    """`buckets` validated: None (the default rule) or a positive integer."""
+    """`buckets` validated: None (the default rule) or a positive integer, at most
+    `MAX_BUCKETS`."""
     if buckets is not None and (isinstance(buckets, bool) or not isinstance(
             buckets, (int, np.integer)) or buckets < 1):
         raise ValueError(f"buckets must be None or a positive integer, got {buckets!r}")
+    if buckets is not None and buckets > MAX_BUCKETS:
+        raise ValueError(f"buckets must be at most {MAX_BUCKETS} (each bucket is one more "
+                         f"replay to compile), got {buckets}; None picks a number")
     return None if buckets is None else int(buckets)
+
+
+def usable_buckets(n: int, D: int) -> int:
+    """The most buckets n rows on D devices can fill: a bucket holds at least `LANES`
+    rows a device, so past this the buckets would hold filler rows only."""
+    return max(1, -(-n // (D * LANES)))
 
 
 # -- the arrangement ------------------------------------------------------------------
@@ -379,9 +401,10 @@ def arrange(n: int, *, dmesh=None, n_steps=None, status=None, columns=None, buck
     mesh's, or None when the step counts are not known: one bucket of full width).
 
     `buckets`: None (the default rule: `BUCKETS`, `BUCKET_SLACK`, `MIN_BUCKET_ROWS`),
-    or a number (1: no buckets). `rows_cap`: the most rows one chunk may hold (None: no
-    limit). `min_widths`: widths not to shrink below (a Calibrator keeps its compiled
-    update while the step counts wander).
+    or a number (1: no buckets; at most `usable_buckets(n, devices)` are made, the
+    rest would hold only filler rows). `rows_cap`: the most rows one chunk may hold
+    (None: no limit). `min_widths`: widths not to shrink below (a Calibrator keeps its
+    compiled update while the step counts wander).
 
     Examples:
         >>> import numpy as np
@@ -406,7 +429,7 @@ def arrange(n: int, *, dmesh=None, n_steps=None, status=None, columns=None, buck
             per = -(-n // D)
             choices = tuple(k for k in BUCKETS if k == 1 or per // k >= MIN_BUCKET_ROWS)
         else:
-            choices = (check_buckets(buckets),)
+            choices = (min(check_buckets(buckets), usable_buckets(n, D)),)
     plans = [_layout(steps, D, k, rows_cap, S) for k in choices]
     if min_widths is not None:
         plans = [(o, tuple(max(a, b) for a, b in zip(w, min_widths)) if len(w) == len(min_widths)

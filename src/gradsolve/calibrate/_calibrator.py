@@ -120,15 +120,21 @@ class Calibrator:
             `b*K:(b+1)*K`). Its `params` give the structure `to_params` must return.
         loss: `loss(ys_b, theta_b, data_b) -> scalar`, `ys_b` shaped `(K, d)` or
             `(K, len(ts), d)`; with `data=None` it is called as `loss(ys_b, theta_b,
-            None)`.
+            None)`. A loss returning anything but one real number per fit is refused
+            when `fit` starts (traced abstractly), with the shape it returned.
         to_params: `theta_b -> per-trajectory params of fit b's K trajectories` (leaves
             leading with K). Default: `theta_b` broadcast to K.
         to_y0: `theta_b -> (K, d)` initial states of fit b's trajectories, when they
             are estimated too (the gradient flows through y0 as through the
             parameters). Default: the problem's y0.
-        data: a pytree whose leaves lead with B (observations per fit), or None.
+        data: a pytree whose leaves lead with B (observations per fit), or None. Its
+            values must be finite: a NaN or inf is refused here, naming the leaf and
+            its first index. Missing measurements: fill them with any finite value and
+            weight them out in the loss with a mask leaf of `data`.
         optimizer: an `optax.GradientTransformation` (default `optax.adam(1e-2)`), run
-            per fit under `vmap`.
+            per fit under `vmap`. One whose `update` needs optax's extra arguments
+            (`value`, `grad`, `value_fn`: `optax.lbfgs`) is not yet supported: refused
+            by name when `fit` starts.
         transform: parameter transforms (`gs.transforms.Positive()`, `Bounded(lo,
             hi)`), one for all leaves or a pytree matching `theta0`; None: identity.
         rtol, atol, method, ts, max_steps, dt0: the record's and replay's settings.
@@ -190,6 +196,7 @@ class Calibrator:
         if not (callable(getattr(optimizer, "init", None))
                 and callable(getattr(optimizer, "update", None))):
             raise TypeError("optimizer must be an optax.GradientTransformation")
+        _check_data(data)
         for name, v in (("refresh_every", refresh_every), ("drift_every", drift_every),
                         ("checkpoint_every", checkpoint_every), ("batch_size", batch_size)):
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -395,7 +402,9 @@ class Calibrator:
         an interruption -- are saved too. The same fit means the same fingerprint:
         problem, data, theta0, tolerances, engine, refresh settings, `tol`/`grad_tol`,
         and the traced loss and optimizer (a changed learning rate or loss counts); a
-        checkpoint of another fit is refused naming what changed. `steps` is a cap, not
+        checkpoint of another fit is refused naming what changed. Saves run in the
+        background while the fit goes on; a save that fails (a full disk) warns, naming
+        the last step saved, and the fit goes on. `steps` is a cap, not
         part of the fit: a larger one extends a finished fit (fits stopped by the cap go
         on; converged and failed ones stay so; `history` grows), bit for bit as one
         uninterrupted run.
@@ -466,13 +475,15 @@ class Calibrator:
                 raise
         cap = jnp.asarray(steps, jnp.int32)
         done = int(state.update)
-        saved = done if resumed_from is not None else None
+        tried = None  # the last step this fit tried to save
         queue = B < S
         bar = _progress(progress, S if queue else steps,
                         int(np.sum(~np.asarray(state.active))) if queue else done, queue)
         if resumed_from is not None:
             _say(bar, f"gradsolve: resumed from checkpoint step {resumed_from} in "
-                      f"{self.checkpoint_dir} ({done} updates done, cap {steps})")
+                      f"{self.checkpoint_dir} ({done} updates run in all; the fits have done "
+                      f"{np.asarray(state.steps).min()}..{np.asarray(state.steps).max()} updates "
+                      f"each, capped at steps={steps} per fit)")
         window = None
         try:
             try:
@@ -494,9 +505,11 @@ class Calibrator:
                     _show(bar, state, window, queue)
                     if store is not None and self.checkpoint_every \
                             and done % self.checkpoint_every == 0:
+                        # Written in the background while the fit goes on; a save
+                        # that fails is warned about and the next one writes again.
                         state = self._flush(state, window)
                         store.save(done, state._asdict(), meta)
-                        saved = done
+                        tried = done
             except (jax.errors.JaxRuntimeError, ValueError) as err:
                 # Ctrl-C while a host callback runs (kernel_adjoint's Warp kernels)
                 # reaches here wrapped by XLA (a JaxRuntimeError, a ValueError through
@@ -506,9 +519,13 @@ class Calibrator:
                 raise KeyboardInterrupt from err
             if window is not None:
                 state = self._flush(state, window)
-            if store is not None and saved != done and done > 0:
-                store.save(done, state._asdict(), meta)
-                saved = done
+            # The fit's end is saved unless its last update's save was tried already (a
+            # failure is a warning either way: the result returned holds every update).
+            if store is not None and done > 0:
+                store.wait()
+                if store.saved != done and tried != done:
+                    store.save(done, state._asdict(), meta)
+                    store.wait()
         except KeyboardInterrupt:
             if window is not None:
                 state = self._flush(state, window)
@@ -517,15 +534,19 @@ class Calibrator:
             if done == 0:
                 how = "no update was done yet, nothing to save"
             elif store is not None:
-                if saved != done:
-                    try:
+                why = "see the warning above"
+                try:
+                    store.wait()  # the save under way, if any
+                    if store.saved != done and tried != done:
                         store.save(done, state._asdict(), meta)
-                        saved = done
-                    except BaseException as e:  # noqa: BLE001 - a second Ctrl-C, a full disk
-                        how = f"saving it failed ({type(e).__name__}), the last step saved is {saved}"
-                if saved == done:
-                    how = (f"saved as step {done} in {self.checkpoint_dir}; run the same fit "
-                           f"again to resume (a larger steps= extends it)")
+                        store.wait()
+                except BaseException as e:  # noqa: BLE001 - a second Ctrl-C
+                    why = type(e).__name__
+                last = store.saved
+                how = (f"saved as step {done} in {self.checkpoint_dir}; run the same fit "
+                       f"again to resume (a larger steps= extends it)" if last == done else
+                       f"saving it failed ({why}); the last step saved is {last}"
+                       if last is not None else f"saving it failed ({why}); no step is saved")
             _say(bar, f"gradsolve: fit interrupted after {done} updates; {how}")
             raise
         finally:
@@ -569,8 +590,7 @@ class Calibrator:
         if np.ndim(_leaf_at(best.theta, names[name])) != 0:
             raise ValueError(f"theta[{name!r}] holds {np.shape(_leaf_at(best.theta, names[name]))} "
                              f"values per fit; a profile fixes a leaf of one number")
-        if G < 1 or not np.all(np.isfinite(grid)):
-            raise ValueError(f"grid must hold finite values, got {grid}")
+        _check_grid(self.transform, name, names[name], grid)
         B = np.shape(res.loss)[0]
         K = self.problem.n // B
         fixed = names[name]
@@ -639,6 +659,8 @@ class Calibrator:
             if not jnp.issubdtype(x.dtype, jnp.floating):
                 raise TypeError(f"theta0{jax.tree_util.keystr(p)} has dtype {x.dtype}; "
                                 f"fitted parameters must be floating point (e.g. 1.0, not 1)")
+        if self.to_params is None:  # theta is broadcast to the parameters as it is
+            _check_theta_dtype(theta0, self.problem.y0.dtype, "")
         sizes = {np.shape(x)[0] if np.ndim(x) else None for _, x in paths}
         if len(sizes) != 1 or None in sizes:
             raise ValueError(f"every array leaf of theta0 must lead with the number of "
@@ -671,7 +693,37 @@ class Calibrator:
                         f"its drawn trajectories), got shape {np.shape(x)}")
         self._check_to_params(theta0, n // B)
         self._check_to_y0(theta0, n // B)
+        self._check_loss(theta0, n // B)
+        theta_b = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
+        _check_optimizer(self.optimizer, _abstract(eqx.filter(theta_b, eqx.is_inexact_array)))
         return B, n // B
+
+    def _check_loss(self, theta0, K):
+        """`loss` on fit 0's outputs, theta and data, traced abstractly: one real
+        number. The outputs are `(K, d)`, or `(K, len(ts), d)` (`batch_size` rows for a
+        minibatch) in the problem's dtype, as every engine's replay gives them."""
+        theta_b = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
+        rows = K if self.batch_size is None else self.batch_size
+        ts = () if self.config.ts is None else (len(self.config.ts),)
+        ys_b = jax.ShapeDtypeStruct((rows,) + ts + (self.problem.d,), self.problem.y0.dtype)
+        # A fit's data: leaves without their B; a minibatch's, its rows of (B, K, ...).
+        cut = (lambda s: s[1:]) if self.batch_size is None else (lambda s: (rows,) + s[2:])
+        data_b = None if self.data is None else jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(cut(np.shape(x)), np.asarray(x).dtype)
+            if eqx.is_array(x) or isinstance(x, np.ndarray) else x, self.data)
+        shown = f"ys_b {np.dtype(ys_b.dtype).name}{list(ys_b.shape)}"
+        try:
+            got = eqx.filter_eval_shape(self.loss, ys_b, theta_b, data_b)
+        except Exception as e:
+            raise TypeError(f"loss(ys_b, theta_b, data_b) failed on fit 0's inputs ({shown}): "
+                            f"{type(e).__name__}: {e}") from e
+        if not (isinstance(got, jax.ShapeDtypeStruct) and got.shape == ()
+                and jnp.issubdtype(got.dtype, jnp.floating)):
+            what = (f"{np.dtype(got.dtype).name}{list(got.shape)}"
+                    if isinstance(got, jax.ShapeDtypeStruct) else type(got).__name__)
+            raise ValueError(f"loss must return a scalar per fit (shape ()); loss(ys_b, "
+                             f"theta_b, data_b) returned {what} for {shown}: sum or average "
+                             f"over the fit's trajectories and times")
 
     def _check_to_y0(self, theta0, K):
         """`to_y0` on fit 0's theta, traced abstractly: `(K, d)` in the problem's dtype."""
@@ -716,6 +768,9 @@ class Calibrator:
             parts = ([f"missing {missing}"] if missing else []) + \
                 ([f"unexpected {extra}"] if extra else []) + \
                 ([f"wrong shape or dtype {', '.join(wrong)}"] if wrong else [])
+            if wrong:  # a theta0 of another dtype is the likely cause: name it
+                _check_theta_dtype(theta0, self.problem.y0.dtype,
+                                   f"; {what} gives {', '.join(wrong)}")
             raise ValueError(
                 f"{what} must give the K={K} trajectories of one fit the problem's "
                 f"parameters (leaves leading with K, the problem's dtypes; gs.Shared ones "
@@ -991,6 +1046,84 @@ def _check_tol(name, value):
             or np.ndim(value) or not value >= 0:
         raise ValueError(f"{name} must be None or a number >= 0, got {value!r}")
     return float(value)
+
+
+def _check_data(data):
+    """Every floating leaf of `data` finite: a NaN measurement would stop its fit at
+    step 0 as non-finite, pointing nowhere near the data."""
+    for path, x in jax.tree_util.tree_leaves_with_path(data):
+        if not (eqx.is_array(x) or isinstance(x, np.ndarray)) \
+                or not np.issubdtype(np.asarray(x).dtype, np.inexact):
+            continue
+        x = np.asarray(x)
+        bad = ~np.isfinite(x)
+        if bad.any():
+            at = np.unravel_index(int(np.argmax(bad)), x.shape)
+            raise ValueError(
+                f"data{jax.tree_util.keystr(path)} holds a non-finite value ({x[at]}) at "
+                f"index {tuple(int(i) for i in at)} ({int(bad.sum())} in all); missing "
+                f"measurements are not taken as NaN: fill them with any finite value and "
+                f"weight them out in the loss with a mask passed in data (e.g. "
+                f"jnp.sum(d['mask'] * (ys - d['obs']) ** 2))")
+
+
+def _check_theta_dtype(theta0, dtype, how):
+    """Every floating leaf of theta0 in the fit's dtype (`how`: what else would do)."""
+    for p, x in jax.tree_util.tree_leaves_with_path(theta0):
+        if eqx.is_inexact_array(x) and x.dtype != dtype:
+            raise TypeError(f"theta0{jax.tree_util.keystr(p)} has dtype {x.dtype} but the "
+                            f"problem is {np.dtype(dtype).name} (its y0){how}: give theta0 "
+                            f"in {np.dtype(dtype).name}")
+
+
+def _check_optimizer(optimizer, u_b):
+    """`optimizer.init(u)` and `optimizer.update(grads, state, u)` of one fit, traced
+    abstractly (`u_b`: its unconstrained parameters, as `jax.ShapeDtypeStruct`s), as
+    the update calls them. A transformation whose update needs optax's extra arguments
+    (`value`, `grad`, `value_fn`: `optax.lbfgs`'s line search) is refused by name."""
+    def trial(**extra):
+        def one(u):
+            kw = {k: v(u) for k, v in extra.items()}
+            return optimizer.update(u, optimizer.init(u), u, **kw)
+        return jax.eval_shape(one, u_b)
+
+    def value(u):
+        return sum(jnp.sum(x) for x in jax.tree.leaves(u))
+    extra = {"value": value, "grad": lambda u: u, "value_fn": lambda u: value}
+    try:
+        trial()
+        return
+    except Exception as e:  # noqa: BLE001 - named below, or re-raised with the inputs
+        error = e
+    try:
+        trial(**extra)
+    except Exception:  # noqa: BLE001 - not for want of the extra arguments
+        raise TypeError(f"optimizer.init/update failed on fit 0's parameters "
+                        f"{_array_shapes(u_b)}: {type(error).__name__}: {error}") from error
+    needed = []
+    for name in sorted(extra):
+        try:
+            trial(**{k: v for k, v in extra.items() if k != name})
+        except Exception:  # noqa: BLE001 - this one is needed
+            needed.append(name)
+    raise TypeError(
+        f"optimizer.update needs the extra arguments {needed or sorted(extra)} (an "
+        f"optax.GradientTransformationExtraArgs such as optax.lbfgs's line search): not "
+        f"yet supported by the Calibrator, which calls update(grads, state, params); use a "
+        f"first-order transformation (optax.adam, optax.sgd, or an optax.chain of them)")
+
+
+def _check_grid(transform, name, path, grid):
+    """A profile's grid: not empty, finite, inside the transform's domain of its leaf."""
+    if grid.size == 0:
+        raise ValueError(f"grid is empty: give at least one value to fix {name!r} at")
+    if not np.isfinite(grid).all():
+        raise ValueError(f"grid must hold finite values, got {grid}")
+    t = _transforms.for_path(transform, path)
+    bad = np.flatnonzero(~np.isfinite(np.asarray(t.inverse(jnp.asarray(grid)))))
+    if bad.size:
+        raise ValueError(f"grid[{bad[0]}] = {grid[bad[0]]} is outside the domain of "
+                         f"theta[{name!r}]'s transform {t} (grid points {bad[:10].tolist()})")
 
 
 def _check_domain(transform, theta0, u0):

@@ -16,6 +16,15 @@ def _name(path) -> str:
     return jax.tree_util.keystr(path).replace("']['", ".").strip("[]'") or "theta"
 
 
+def _per_fit(value, B, path) -> np.ndarray:
+    """A true value of the leaf at `path`: one per fit, or one for all B."""
+    value = np.asarray(value)
+    if value.shape not in ((), (B,)):
+        raise ValueError(f"true{jax.tree_util.keystr(path)} has shape {value.shape}: give "
+                         f"one value, or one per fit ({B},)")
+    return np.broadcast_to(value, (B,))
+
+
 class Best(NamedTuple):
     """The fit with the lowest final loss: its index, parameters and loss."""
 
@@ -153,13 +162,17 @@ class FitResult:
                    resumed_from=meta["resumed_from"])
 
     def table(self, true=None, names=None) -> str:
-        """A recovered-vs-true table of the scalar-per-fit leaves of theta."""
+        """A recovered-vs-true table of the scalar-per-fit leaves of theta. `true`
+        holds, per leaf, one value per fit or one value for all of them (a multistart's
+        truth)."""
         leaves = jax.tree_util.tree_leaves_with_path(self.theta)
         rows = [(_name(p), np.asarray(v)) for p, v in leaves if np.ndim(v) == 1]
         truth = {}
         if true is not None:
-            truth = {_name(p): np.asarray(v)
-                     for p, v in jax.tree_util.tree_leaves_with_path(true)}
+            shown = {name for name, _ in rows}
+            truth = {_name(p): _per_fit(v, len(self.loss), p)
+                     for p, v in jax.tree_util.tree_leaves_with_path(true)
+                     if _name(p) in shown}
         head = f"{'fit':>4} " + " ".join(
             f"{name:>12} {'true':>12} {'rel err':>9}" if name in truth else f"{name:>12}"
             for name, _ in rows) + f" {'loss':>10} {'steps':>6}  status"
@@ -231,10 +244,11 @@ class FitResult:
         ax.set_title(f"{len(self.loss)} fits ({self.engine})")
         if true is not None:
             ax = axes[0, 1]
-            for (p, est), t in zip(jax.tree_util.tree_leaves_with_path(self.theta),
-                                   jax.tree.leaves(true)):
+            for (p, est), (q, t) in zip(jax.tree_util.tree_leaves_with_path(self.theta),
+                                        jax.tree_util.tree_leaves_with_path(true)):
                 if np.ndim(est) == 1:
-                    ax.plot(np.asarray(t), np.asarray(est), "o", label=_name(p))
+                    ax.plot(_per_fit(t, len(self.loss), q), np.asarray(est), "o",
+                            label=_name(p))
             lo, hi = ax.get_xlim()
             ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
             ax.set_xlabel("true")
