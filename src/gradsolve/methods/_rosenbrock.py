@@ -25,15 +25,74 @@ from ._rosenbrock_tableau import RosenbrockTableau
 
 def _solver(W):
     """`b -> W^{-1} b` through one LU factorization, differentiated by the
-    linear-solve rule (transposed solve) rather than through the elimination."""
-    lu = jsl.lu_factor(W)
+    linear-solve rule (transposed solve) rather than through the elimination.
+
+    On the CPU the factorization and solves are plain JAX (`_lu`), not LAPACK:
+    jaxlib 0.10's batched LAPACK kernels split a batch over XLA's intra-op thread
+    pool and block on it, and when as many of them run at once as the pool has
+    threads (the replay's gradient runs stage solves side by side) every pool thread
+    waits for work queued behind it: the PEtab gradients of Bachmann_MSB2011 and
+    Lucarelli_CellSystems2018 stopped for ever there (issue 27, 9b; jax commit
+    859992407d turns the splitting off from jaxlib 0.11)."""
+    if jax.default_backend() != "cpu":
+        lu = jsl.lu_factor(W)
+        solve_, transpose_solve = (lambda r: jsl.lu_solve(lu, r),
+                                   lambda r: jsl.lu_solve(lu, r, trans=1))
+    else:
+        # The factors carry no derivative either way: custom_linear_solve takes W's
+        # through its matrix-vector product.
+        lu, perm = jax.lax.stop_gradient(_lu(W))
+        solve_, transpose_solve = (lambda r: _lu_solve(lu, perm, r),
+                                   lambda r: _lu_solve_transposed(lu, perm, r))
 
     def solve(b):
         return jax.lax.custom_linear_solve(
-            lambda x: W @ x, b,
-            solve=lambda _, r: jsl.lu_solve(lu, r),
-            transpose_solve=lambda _, r: jsl.lu_solve(lu, r, trans=1))
+            lambda x: W @ x, b, solve=lambda _, r: solve_(r),
+            transpose_solve=lambda _, r: transpose_solve(r))
     return solve
+
+
+def _lu(W):
+    """`(LU, perm)` with `W[perm] = L U` (unit lower `L` below the diagonal of `LU`,
+    `U` on and above it): Doolittle elimination with partial pivoting, as LAPACK's
+    getrf, in JAX operations only."""
+    d = W.shape[0]
+    rows = jnp.arange(d)
+
+    def eliminate(k, carry):
+        A, perm = carry
+        p = jnp.argmax(jnp.where(rows >= k, jnp.abs(A[:, k]), -1))
+        A = A.at[k].set(A[p]).at[p].set(A[k])
+        perm = perm.at[k].set(perm[p]).at[p].set(perm[k])
+        below = rows > k
+        m = jnp.where(below, A[:, k] / A[k, k], 0)
+        A = A - jnp.outer(m, jnp.where(below, A[k], 0))
+        return A.at[:, k].set(jnp.where(below, m, A[:, k])), perm
+    return jax.lax.fori_loop(0, d, eliminate, (W, rows))
+
+
+def _substitute(M, b, lower, unit):
+    """`x` with `T x = b`, `T` the lower or upper triangle of `M` (unit diagonal if
+    `unit`)."""
+    d = b.shape[0]
+    cols = jnp.arange(d)
+
+    def row(n, x):
+        i = n if lower else d - 1 - n
+        known = cols < i if lower else cols > i
+        r = x[i] - jnp.dot(jnp.where(known, M[i], 0), x)
+        return x.at[i].set(r if unit else r / M[i, i])
+    return jax.lax.fori_loop(0, d, row, b)
+
+
+def _lu_solve(lu, perm, b):
+    return _substitute(lu, _substitute(lu, b[perm], True, True), False, False)
+
+
+def _lu_solve_transposed(lu, perm, b):
+    """`x` with `W^T x = b`: `U^T z = b`, `L^T w = z`, `x[perm] = w`."""
+    w = _substitute(lu.T, _substitute(lu.T, b, True, False), False, True)
+    return jnp.zeros_like(w).at[perm].set(w)
 
 
 def _safe(h):

@@ -106,6 +106,7 @@ class PetabProblem:
         self._trajectories()
         self._observables(petab_problem.observable_df)
         self._functions()
+        self._switches = self._moving_switches()
         theta = self.nominal
         y0 = np.asarray(self.to_y0(theta))
         failed = [self.conditions[k][0] for k in range(len(y0)) if not np.isfinite(y0[k]).all()]
@@ -335,6 +336,65 @@ class PetabProblem:
         self._weights = [None if size is None else m.constants.index(size)
                          for size in m.sizes]
 
+    def _moving_switches(self):
+        """The switches of the right-hand side (piecewise conditions, Heaviside, ...)
+        whose time moves with theta, as `(switch, parameters)`: parameters a tuple of
+        the estimated parameters that set its time, or None where the switch reads the
+        states (then every parameter moves it).
+
+        The replay differentiates on a mesh held fixed and a switch's condition has
+        zero derivative, so the derivative of the state with respect to a switch time
+        -- a jump `(f_after - f_before) * d t_switch / d theta` at the switch -- is
+        missing: the gradient with respect to a parameter that only sets a switch time
+        comes out exactly 0 (all 19 `tau_*` of Beer_MolBioSystems2014, where issue 27
+        measured -0.099 by central differences for tau_typeIDT1_ExpID1; -0.0707 in
+        tests/test_petab.py's one-switch model). A switch at a fixed time
+        (`time > 10`, numbers only) or on constants alone (`k > 1`) does not move, and
+        its gradient is exact."""
+        m = self.model
+        states = {symbol(x) for x in m.states}
+        sets = {}  # constant -> the estimated parameters its value reads, any trajectory
+        for j, c in enumerate(m.constants):
+            sets[symbol(c)] = {self.parameter_ids[i] for i in
+                               np.unique(self._params.index[:, j]) if i >= 0}
+        for _ in m.constants:  # through initial assignments, which may use each other
+            for j, c in enumerate(m.constants):
+                if self._computed[:, j].any():
+                    for s in m.initial[c].free_symbols:
+                        sets[symbol(c)] |= sets.get(s, set())
+        found = {}
+        for x in m.states:
+            for switch in _switches(m.rhs[x]):
+                free = switch.free_symbols
+                if free & states:
+                    found[switch] = None
+                elif TIME in free:
+                    moved = set().union(*(sets.get(s, set()) for s in free))
+                    if moved:
+                        found[switch] = tuple(i for i in self.parameter_ids if i in moved)
+        return tuple(found.items())
+
+    def _refuse_moving_switches(self, what):
+        """Raise `PetabError` for `what` (a gradient) where a switch time moves with
+        theta (`_moving_switches`), naming the switch and its parameters."""
+        if not self._switches:
+            return
+        switch, moved = self._switches[0]
+        text = str(switch.xreplace({TIME: sp.Symbol("time")}))
+        if moved is None:
+            raise PetabError(
+                f"{what}: the right-hand side switches at {text}, which reads the "
+                "states: the switching time moves with every parameter, and the "
+                "replay's gradient has no jump term at a moving switch (not supported; "
+                "llh, chi2 and simulate are)")
+        moved = sorted({i for _, ids in self._switches if ids for i in ids},
+                       key=self.parameter_ids.index)
+        raise PetabError(
+            f"{what}: the estimated parameter(s) {moved} set the time of a switch in the "
+            f"right-hand side ({text}); the replay's gradient has no jump term at a "
+            "moving switch, so theirs would be 0 (not supported; llh, chi2 and simulate "
+            "are). Fix them (estimate = 0 in the parameter table) to fit the others")
+
     # -- theta to the ensemble -------------------------------------------------------
 
     def _vector(self, theta):
@@ -510,7 +570,10 @@ class PetabProblem:
         """The log-likelihood and its exact gradient with respect to the estimated
         parameters (a dict, linear units), on `mesh` (default: recorded at theta): the
         replay differentiated in reverse mode, through the preequilibration's steady
-        state by the implicit function theorem."""
+        state by the implicit function theorem. Raises `PetabError` where an estimated
+        parameter (or a state) moves a switch of the right-hand side (docs/petab.md,
+        "Switches and gradients")."""
+        self._refuse_moving_switches("llh_and_grad")
         theta = self._theta(theta)
         mesh = self.record(theta) if mesh is None else mesh
         ys = self._solve(theta, mesh)[0]
@@ -587,6 +650,7 @@ class PetabProblem:
         """
         if not isinstance(starts, int) or starts < 1:
             raise ValueError(f"starts must be a positive integer, got {starts!r}")
+        self._refuse_moving_switches("calibrator")
         for fixed in ("rtol", "atol", "ts", "to_params", "to_y0", "data", "transform"):
             if fixed in settings:
                 raise ValueError(f"{fixed} is the PEtab problem's own; set rtol/atol in "
@@ -679,6 +743,18 @@ def _placeholders(expr, kind, oid):
         raise PetabError(f"observable {oid!r}: {kind} placeholders must be numbered 1..n, "
                          f"got {sorted(found)}")
     return [found[i] for i in sorted(found)]
+
+
+def _switches(expr):
+    """The expressions at whose sign changes `expr` jumps: piecewise conditions and
+    the arguments of Heaviside, sign, floor and ceiling."""
+    found = []
+    for a in sp.preorder_traversal(expr):
+        if isinstance(a, sp.Piecewise):
+            found += [c for _, c in a.args if c not in (sp.true, True)]
+        elif isinstance(a, (sp.Heaviside, sp.sign, sp.floor, sp.ceiling)):
+            found.append(a.args[0])
+    return found
 
 
 def _check_model(model: Model):
