@@ -25,6 +25,17 @@ BODY = """
 """
 
 
+def _chunk_sizes(monkeypatch):
+    """The rows of each chunk `_launch.run` launches (one `run_split` call a chunk)."""
+    sizes, real = [], _runtime.run_split
+
+    def spy(fn, n, align=1):
+        sizes.append(n)
+        return real(fn, n, align)
+    monkeypatch.setattr(_runtime, "run_split", spy)
+    return sizes
+
+
 @pytest.fixture(scope="module")
 def kernel():
     return _runtime.load(_kernels.header(2, 64) + "\n" + SCALE.header("scale") + BODY).scale
@@ -43,9 +54,10 @@ def test_header_is_written_from_the_signature():
         _launch.Signature((count("m"), output("m")))
 
 
-# One chunk; chunks of one block (64 trajectories of 52 bytes each: x, y, steps, total).
-@pytest.mark.parametrize("budget", [1 << 30, 64 * 52])
-def test_outputs_and_block_sums_equal_numpy(kernel, budget):
+# One chunk; chunks of one block (64 trajectories of 52 bytes each: x, y, steps, total:
+# 16 + 16 + 4 + 16), so the 150 rows go as 64 + 64 + 22.
+@pytest.mark.parametrize("budget,chunks", [(1 << 30, [150]), (64 * 52, [64, 64, 22])])
+def test_outputs_and_block_sums_equal_numpy(kernel, budget, chunks, monkeypatch):
     # Products of two float64 numbers and a sum of 150 rows: the sum depends on the
     # order of addition only in the last bits (bound 1e-14 relative); the products are
     # exact in both. Rows 0..149 out of 200, in any chunks: the same numbers bit for bit.
@@ -53,8 +65,10 @@ def test_outputs_and_block_sums_equal_numpy(kernel, budget):
     n = 200
     x, w = rng.normal(size=(n, 2)), rng.normal(size=2)
     rows = np.arange(150)
+    sizes = _chunk_sizes(monkeypatch)
     out = _launch.run(kernel, SCALE, dict(x=x, w=w, a=1.5), n=n, dtype=np.float64,
                       lanes=1, budget=budget, rows=rows)
+    assert sizes == chunks
     np.testing.assert_array_equal(out.y, 1.5 * x[rows] * w)
     np.testing.assert_array_equal(out.steps, x[rows, 0] > 0)
     assert out.steps.dtype == np.int32
@@ -95,11 +109,18 @@ def test_block_sums_are_the_same_bits_whatever_the_chunking_and_threads(rows_ker
     n = 1000
     x = rng.normal(size=(n, 3))
     runs = []
-    for budget, threads in [(1 << 30, "1"), (1 << 30, "2"), (_launch.BLOCK * 48, "2"),
-                            (_launch.BLOCK * 48, "1")]:
+    sizes = _chunk_sizes(monkeypatch)
+    # 48 bytes a row (x and total, 3 float64 each): a budget of BLOCK rows.
+    blocks = [_launch.BLOCK] * (n // _launch.BLOCK) + [n % _launch.BLOCK] * (n % _launch.BLOCK > 0)
+    for budget, threads, chunks in [(1 << 30, "1", [n]), (1 << 30, "2", [n]),
+                                    (_launch.BLOCK * 48, "2", blocks),
+                                    (_launch.BLOCK * 48, "1", blocks)]:
         monkeypatch.setenv("GRADSOLVE_CPU_THREADS", threads)
+        sizes.clear()
         runs.append(_launch.run(rows_kernel, ROWS, dict(x=x), n=n, dtype=np.float64, lanes=1,
                                 budget=budget).total)
+        assert sizes == chunks, (budget, sizes)
+    assert len(blocks) == 16  # 1000 rows: 15 blocks of 64 and 40
     for other in runs[1:]:
         np.testing.assert_array_equal(runs[0], other)
     np.testing.assert_allclose(runs[0], (x ** 2).sum(axis=0), rtol=1e-14)
