@@ -7,7 +7,11 @@ Diffrax gradients (`engine="diffrax"`, or Kvaerno5 for Robertson), on the recipe
   (N2 - N1), T(N) a warm `fit(theta0, steps=N)`, sides alternated;
 - compile: on the galactic build (B = 8), each side in fresh processes on a new
   persistent-cache directory, then a second process on the same one; compilations
-  counted through `jax.monitoring`.
+  counted through `jax.monitoring`;
+- checkpoints: what saving costs a light fit (`recipes/multistart.py`'s Lotka-Volterra,
+  16 starts through 8 slots, 1000 updates each, ~3 ms per update here): the whole
+  fit's wall time without checkpoints, saving every 25 updates, and saving every
+  second of wall time, medians of alternated runs.
 
     .venv/bin/python benchmarks/fit_vs_diffrax.py [--quick] [--only compile]
 """
@@ -34,6 +38,7 @@ import gradsolve as gs  # noqa: E402
 sys.path.append(str(ROOT / "recipes"))
 import galactic_halo  # noqa: E402
 import lorenz_rho  # noqa: E402
+import multistart  # noqa: E402
 import robertson_rates  # noqa: E402
 
 
@@ -110,6 +115,44 @@ def fit(args):
         out[name] = [fit_point(name, B, *ns, args.repeats or 3)
                      for B in args.sizes or (sizes[:2] if args.quick else sizes)]
     return {"fits": out}
+
+
+# ------------------------------------------------------------------- checkpoints
+
+SAVES = {"none": None, "every 25 updates": 25,
+         "every 1 s": __import__("datetime").timedelta(seconds=1)}
+
+
+def checkpoints(args):
+    steps, repeats = (200, 2) if args.quick else (1000, args.repeats or 3)
+    times = {name: [] for name in SAVES}
+    saves = {}
+    for rep in range(repeats + 1):  # the first round warms up (compiles)
+        for name, every in SAVES.items():
+            with tempfile.TemporaryDirectory() as d:
+                kw = {} if every is None else {"checkpoint_dir": d, "checkpoint_every": every}
+                cal, theta0 = multistart.build(16, **kw)
+                t = time.perf_counter()
+                res = cal.fit(theta0, steps=steps, slots=8, progress=False)
+                wall = time.perf_counter() - t
+                if rep:
+                    times[name].append(wall)
+                    saves[name] = len([p for p in os.listdir(d) if p.isdigit()])
+    med = {name: float(np.median(v)) for name, v in times.items()}
+    out = {"steps": steps, "slots": 8, "starts": 16, "updates": int(res.updates),
+           "wall_s": times, "median_s": med,
+           "overhead": {n: med[n] / med["none"] - 1 for n in SAVES if n != "none"},
+           "steps_kept_on_disk": saves}
+    log("  checkpoints: " + ", ".join(f"{n} {100 * v:+.0f} %"
+                                      for n, v in out["overhead"].items()))
+    return out
+
+
+def checkpoint_table(c):
+    return md_table(["saves", "fit wall s (median)", "overhead"],
+                    [[n, f"{c['median_s'][n]:.2f}",
+                      "-" if n == "none" else f"{100 * c['overhead'][n]:+.0f} %"]
+                     for n in c["median_s"]])
 
 
 # ------------------------------------------------------------------- compile times
@@ -285,19 +328,23 @@ def render(sections):
              "x whole fit", "theta rel diff", "N1, N2"], rows)
     if "compile" in sections:
         out["compile"] = compile_table(sections["compile"])
+    if "checkpoints" in sections:
+        out["checkpoints"] = checkpoint_table(sections["checkpoints"])
     return out
 
 
 def targets(sections):
     fits = sections.get("fit", {}).get("fits", {})
-    return [target(f"Fitting loop, {PROBLEMS[name][0]}, time per update", ">=", 3,
+    saves = {n: 1 + v for n, v in sections.get("checkpoints", {}).get("overhead", {}).items()}
+    return [target("Checkpoints of a light fit (3 ms per update), fit time with saves / "
+                   "without", "<=", 1.10, saves)] * bool(saves) + [target(f"Fitting loop, {PROBLEMS[name][0]}, time per update", ">=", 3,
                    {f"B={r['B']}": r["diffrax_per_update_s"] / r["replay_per_update_s"]
                     for r in fits[name]})
             for name in fits if PROBLEMS[name][-1]]
 
 
 if __name__ == "__main__":
-    sections = {"fit": fit, "compile": compile_times}
+    sections = {"fit": fit, "compile": compile_times, "checkpoints": checkpoints}
     args = cli(__doc__, sections, lambda ap: (
         ap.add_argument("--compile-worker", choices=("replay", "diffrax")),
         ap.add_argument("--refresh", type=int, default=1)))

@@ -1,10 +1,12 @@
 """The Calibrator: B independent fits, convergence and freezing, isolation of
 non-finite fits, checkpoints that resume bit for bit and survive damage."""
 
+import datetime
 import os
 import pathlib
 import re
 import sys
+import warnings
 
 import equinox as eqx
 import jax
@@ -298,13 +300,37 @@ def test_checkpoint_settings_fail_when_built_not_at_the_first_save(tmp_path):
         _rates(checkpoint_dir=blocker / "fit", checkpoint_every=2)
     with pytest.raises(PermissionError, match="cannot hold checkpoints"):
         _rates(checkpoint_dir=_unwritable(tmp_path), checkpoint_every=2)
-    with pytest.warns(UserWarning, match="without checkpoint_every: the fit is saved only "
-                                         "when it ends"):
+    for every in (0, True, 2.5, datetime.timedelta(0)):
+        with pytest.raises(ValueError, match="checkpoint_every must be None, a positive "
+                                             "integer .updates. or a positive datetime"):
+            _rates(checkpoint_dir=tmp_path / "fit", checkpoint_every=every)
+    # No checkpoint_every: once a minute (here: only the end), and no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         cal = _rates(checkpoint_dir=tmp_path / "fit")
     # A NumPy scalar tolerance used to fail the JSON metadata at the first save.
     res = cal.fit({"k": jnp.ones(2)}, steps=3, tol=np.float32(1e-12), progress=False)
     assert res.updates == 3
-    assert sorted(p.name for p in (tmp_path / "fit").iterdir() if p.name.isdigit()) == ["3"]
+    assert _steps_on_disk(tmp_path / "fit") == [3]
+
+
+def _steps_on_disk(directory):
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def test_checkpoint_every_wall_time(tmp_path):
+    """A timedelta saves at the first update that ends that long after the last save: a
+    microsecond saves after every update (Orbax keeps the newest 3), an hour only at
+    the end; the fit is the same either way."""
+    often = _rates(checkpoint_dir=tmp_path / "often",
+                   checkpoint_every=datetime.timedelta(microseconds=1))
+    rarely = _rates(checkpoint_dir=tmp_path / "rarely",
+                    checkpoint_every=datetime.timedelta(hours=1))
+    a, b = (c.fit({"k": jnp.ones(2)}, steps=5, tol=None, progress=False)
+            for c in (often, rarely))
+    assert _steps_on_disk(tmp_path / "often") == [3, 4, 5]
+    assert _steps_on_disk(tmp_path / "rarely") == [5]
+    np.testing.assert_array_equal(a.history, b.history)
 
 
 class _Compiles:
