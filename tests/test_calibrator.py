@@ -372,6 +372,18 @@ def test_a_new_steps_value_compiles_nothing(tmp_path):
     assert res.resumed_from == 5 and res.updates == 11 and compiles.n == 0
 
 
+def test_progress_bar_redraws_a_few_times_a_second(capfd):
+    # 300 updates of a few ms each: the bar used to redraw at every one (a log of 300
+    # '\r' lines when stderr is a file); tqdm's mininterval of 0.25 s bounds it by the
+    # fit's wall time, which is well under 150 * 0.25 s here (at every update: >= 300).
+    cal = fit_worker.calibrator(refresh_every=None)
+    cal.fit(fit_worker.THETA0, steps=2, progress=False)  # compile outside the count
+    capfd.readouterr()
+    res = cal.fit(fit_worker.THETA0, steps=300, progress=True)
+    redraws = capfd.readouterr().err.count("\r")
+    assert res.updates == 300 and 1 <= redraws < 150, redraws  # measured 2 redraws
+
+
 def test_mesh_widths_are_few_and_tight():
     # A mesh that widens on refresh lands on one of at most four widths per doubling
     # (so a fit compiles its update a few times), and pads by at most 25%.

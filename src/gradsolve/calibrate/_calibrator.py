@@ -1150,16 +1150,15 @@ def _show(bar, state, window, queue):
     status, active = np.asarray(state.status).copy(), np.asarray(state.active).copy()
     status[window.start] = np.asarray(window.state.status)
     active[window.start] = np.asarray(window.state.active)
-    if queue:
-        bar.update(int(np.sum(~active)) - bar.n)
-    else:
-        bar.update(1)
     loss = np.asarray(window.state.loss)
     finite = loss[np.isfinite(loss)]
+    # The text is set without drawing; `update` draws, at most every `mininterval`
+    # (a bar that redrew at every update filled a log with one line per update).
     bar.set_postfix_str(f"loss {finite.min():.3g}..{finite.max():.3g}" if finite.size
                         else "loss n/a", refresh=False)
     bar.set_description(f"converged {int(np.sum(status == FitStatus.CONVERGED))}/"
-                        f"{status.size}")
+                        f"{status.size}", refresh=False)
+    bar.update(int(np.sum(~active)) - bar.n if queue else 1)
 
 
 def _say(bar, message):
@@ -1175,4 +1174,4 @@ def _progress(enabled, total, initial, queue=False):
     if not enabled or jax.process_index() != 0:  # several processes: the first reports
         return None
     return tqdm(total=total, initial=initial, unit="start" if queue else "update",
-                dynamic_ncols=True)
+                dynamic_ncols=True, mininterval=0.25)
