@@ -5,20 +5,21 @@ import pytest
 
 import gradsolve as gs
 from gradsolve.engines import Request
-
-
-NOT_FUSED = "f_jax has no fused form (gs.register_field translates one)"
+from gradsolve.warp._registry import NOT_FUSED
 
 
 SMALL = "n = 0 < 256: the JAX replay is faster below that here (tsit5)"
 KA_METHODS = "the in-kernel adjoint runs ('tsit5', 'rosenbrock23')"
 NO_JACOBIAN = "the field has no hand-written Jacobian for the stiff fused kernel"
+INTEGRATED = ("its Warp kernels serve ts by an integrated step; interpolate=True runs on "
+              "the JAX replay")
 
 
 def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False, rtol=None, n=0,
-      shared_module=False):
+      shared_module=False, interpolate=False):
     return Request(gradient=gradient, stiff=stiff, d=d, method=method, fused=fused,
-                   jacobian=jacobian, rtol=rtol, n=n, shared_module=shared_module)
+                   jacobian=jacobian, rtol=rtol, n=n, shared_module=shared_module,
+                   interpolate=interpolate, ts=interpolate)
 
 
 @pytest.mark.parametrize("request_,engine,expected,method,passed", [
@@ -53,6 +54,17 @@ def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False, rtol
                                  "Rodas5P serves it"}),
     (R(True, stiff=True, fused=True, jacobian=True, rtol=1e-8, method="rosenbrock23"),
      None, "kernel_adjoint", "rosenbrock23", {}),
+    # ts from the continuous extension: the JAX replay (fused_replay's gradient is
+    # one), never the Warp kernels that integrate a step to each output time
+    (R(True, fused=True, n=256, interpolate=True), None, "fused_replay", "tsit5",
+     {"kernel_adjoint": INTEGRATED}),
+    (R(False, fused=True, interpolate=True), None, "diffrax", "tsit5", {"fused": INTEGRATED}),
+    (R(True, stiff=True, fused=True, jacobian=True, interpolate=True), None,
+     "general_replay", "rodas5p",
+     {"kernel_adjoint": "interpolate=True needs a method with a continuous extension; "
+                        "'rosenbrock23' has none",
+      "fused_replay": "interpolate=True needs a method with a continuous extension; "
+                      "'rosenbrock23' has none"}),
     # gradient, any other field -> general_replay (Rodas5P when stiff)
     (R(True), None, "general_replay", "tsit5",
      {"kernel_adjoint": NOT_FUSED, "fused_replay": NOT_FUSED}),
@@ -82,6 +94,7 @@ def test_route_table(request_, engine, expected, method, passed):
     (R(True, fused=True), "fused", "forward only \\(gradients: 'fused_replay'\\)"),
     (R(True), "fused_replay", "f_jax has no fused form"),
     (R(False, d=100, fused=True), "fused", "d = 100 > 8: past the fused kernels' cutoff"),
+    (R(True, fused=True, interpolate=True), "kernel_adjoint", INTEGRATED),
 ])
 def test_forced_engine_that_cannot_serve_names_the_reason(request_, engine, reason):
     with pytest.raises(ValueError, match=f"'{engine}' cannot serve this request: {reason}"):

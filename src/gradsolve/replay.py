@@ -40,7 +40,8 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
         remat: recompute the step in the backward sweep (`eqx.filter_checkpoint`;
             default: on for non-stiff methods, and for stiff ones from 16 variables on).
         interpolate: serve `ts` from the method's continuous extension on the mesh
-            step containing each time (Rodas5P), instead of an extra integrated step.
+            step containing each time (Tsit5, Rodas5P: no evaluation of the field
+            beyond the mesh's steps), instead of an extra integrated step.
         engine: None (the JAX replay) or `"kernel_adjoint"`: the same function
             computed by Warp kernels, its gradient by the Warp backward (Tsit5 and
             Rosenbrock23 meshes of a field the translator accepts; `remat` and
@@ -155,6 +156,11 @@ def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False, mask=
         """`step` by `dt` where `dt > 0`, else `y` itself."""
         return jnp.where(dt > 0, step(t, y, jnp.where(dt > 0, dt, h_rest), params), y)
 
+    if ts is not None and interpolate:
+        ys = _interpolated(f, method, axes, remat, params, t, y0, h, h_rest, n_steps,
+                           jnp.asarray(ts, y0.dtype))
+        return jnp.where(ok[:, None, None], ys, 0)
+
     def column(carry, h_k):
         t, y = carry
         y_next = safe_step(t, y, h_k)
@@ -168,18 +174,57 @@ def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False, mask=
     y_all = jnp.concatenate([history[1], y_end[None]], axis=0)
     ts = jnp.asarray(ts, y0.dtype)
     t_grid = jax.lax.stop_gradient(t_all).T                           # (n, S + 1)
-    k = jax.vmap(lambda tg: jnp.searchsorted(tg, ts, side="right") - 1)(t_grid)
-    k = jnp.clip(jnp.minimum(k, n_steps[:, None]), 0, None).T         # (J, n)
+    k = _containing_step(t_grid, ts, n_steps).T                       # (J, n)
     cols = jnp.arange(h.shape[0])[None, :]
     y_base = jnp.moveaxis(y_all[k, :, cols], -1, 1)                   # (J, d, n)
     t_base = t_grid.T[k, cols]                                        # (J, n)
     dt = jnp.where(ok, ts[:, None] - t_base, 0)
-    if interpolate:
-        h_k = jnp.pad(h, ((0, 0), (0, 1))).T[k, cols]                  # (J, n), 0 at t_end
-        theta = dt / jnp.where(h_k > 0, h_k, 1)
-        dense = jax.vmap(functools.partial(method.dense_output, f),
-                         in_axes=(0, 1, 0, 0, axes), out_axes=1)
-        ys = jax.vmap(dense, in_axes=(0, 0, 0, 0, None))(t_base, y_base, h_k, theta, params)
-    else:
-        ys = jax.vmap(safe_step)(t_base, y_base, dt)
+    ys = jax.vmap(safe_step)(t_base, y_base, dt)
     return jnp.where(ok[:, None, None], jnp.transpose(ys, (2, 0, 1)), 0)  # (n, J, d)
+
+
+def _containing_step(t_grid, ts, n_steps):
+    """Per trajectory, the index of the mesh step each output time falls in: the last
+    mesh point at or before it, at most `n_steps` (the end, where `t = t1`).
+    `t_grid` is `(n, S + 1)`; returns `(n, J)`."""
+    k = jax.vmap(lambda tg: jnp.searchsorted(tg, ts, side="right") - 1)(t_grid)
+    return jnp.clip(jnp.minimum(k, n_steps[:, None]), 0, None)
+
+
+def _interpolated(f, method, axes, remat, params, t, y0, h, h_rest, n_steps, ts):
+    """The replay with outputs from the method's continuous extension: the scan
+    carries the next step's first slope (`f(t + h, y_new)`, which FSAL methods have
+    for free) and keeps each step's slopes `K`; each output time is then a weighted
+    sum of the slopes of the step containing it -- no extra evaluation of `f`, where
+    the integrated outputs cost a step each. Returns `(n, J, d)`."""
+    dense = jax.vmap(functools.partial(method.dense_step, f), in_axes=(0, 1, 1, 0, axes),
+                     out_axes=(1, 2, 1))
+    if remat:
+        dense = eqx.filter_checkpoint(dense)
+
+    def column(carry, h_k):
+        t, y, f0 = carry
+        took = h_k > 0
+        y_new, K, f_new = dense(t, y, f0, jnp.where(took, h_k, h_rest), params)
+        y_new = jnp.where(took, y_new, y)
+        return (t + h_k, y_new, jnp.where(took, f_new, f0)), (t, y, K)
+
+    f0 = jax.vmap(f, in_axes=(0, 1, axes), out_axes=1)(t, y0.T, params)
+    (t_end, y_end, _), (t_all, y_all, K_all) = jax.lax.scan(column, (t, y0.T, f0), h.T)
+    t_grid = jax.lax.stop_gradient(jnp.concatenate([t_all, t_end[None]])).T  # (n, S+1)
+    y_all = jnp.moveaxis(jnp.concatenate([y_all, y_end[None]]), -1, 0)       # (n, S+1, d)
+    K_all = jnp.moveaxis(K_all, -1, 0)                                       # (n, S, q, d)
+    h_pad = jnp.pad(h, ((0, 0), (0, 1)))                       # 0 at the end point
+    k = _containing_step(t_grid, ts, n_steps)                                # (n, J)
+
+    def outputs(k, t_grid, y_all, K_all, h_pad):
+        """One trajectory's outputs: the step k_j containing each ts_j, evaluated at
+        its fraction theta_j; at a mesh point (theta = 0) or the end, the state."""
+        h_k = h_pad[k]
+        y_k = y_all[k]
+        theta = (ts - t_grid[k]) / jnp.where(h_k > 0, h_k, 1)
+        y_next = y_all[jnp.minimum(k + 1, y_all.shape[0] - 1)]
+        K_k = K_all[jnp.minimum(k, K_all.shape[0] - 1)]
+        y_theta = jax.vmap(method.interpolate)(y_k, y_next, h_k, K_k, theta)
+        return jnp.where((h_k > 0)[:, None], y_theta, y_k)
+    return jax.vmap(outputs)(k, t_grid, y_all, K_all, h_pad)

@@ -138,6 +138,11 @@ class Calibrator:
         transform: parameter transforms (`gs.transforms.Positive()`, `Bounded(lo,
             hi)`), one for all leaves or a pytree matching `theta0`; None: identity.
         rtol, atol, method, ts, max_steps, dt0: the record's and replay's settings.
+        interpolate: serve `ts` from the method's continuous extension (Tsit5,
+            Rodas5P; on the JAX replay) instead of one integrated step per output time:
+            the outputs then cost no evaluation of the field beyond the mesh's steps,
+            which matters when there are many more outputs than steps (a neural ODE's
+            data; see `gs.value_and_grad`).
         remat: recompute each replay step in the backward sweep (`eqx.filter_checkpoint`;
             default as `gs.value_and_grad`: on for non-stiff methods).
         engine: None (router), or an engine name; `"diffrax"` runs the same loop on
@@ -185,7 +190,8 @@ class Calibrator:
 
     def __init__(self, prob, loss, to_params=None, data=None, optimizer=None, *,
                  to_y0=None, transform=None, rtol=1e-6, atol=1e-9, method=None, ts=None,
-                 max_steps=DEFAULT_MAX_STEPS, dt0=None, remat=None, engine=None,
+                 interpolate=False, max_steps=DEFAULT_MAX_STEPS, dt0=None, remat=None,
+                 engine=None,
                  recorder=None, refresh_every=None, drift_every=None, drift_tol=None,
                  batch_size=None, checkpoint_dir=None, checkpoint_every=None, devices=None,
                  buckets=None, memory_budget=None):
@@ -221,8 +227,8 @@ class Calibrator:
         self.optimizer, self.transform = optimizer, transform
         self._engine, self.passed_over, self.config = plan(
             self.problem, gradient=True, engine=engine, method=method, rtol=rtol, atol=atol,
-            dt0=dt0, max_steps=max_steps, ts=ts, remat=remat, devices=devices,
-            buckets=buckets, memory_budget=memory_budget)
+            dt0=dt0, max_steps=max_steps, ts=ts, interpolate=interpolate, remat=remat,
+            devices=devices, buckets=buckets, memory_budget=memory_budget)
         self.engine = self._engine.name
         self._arrangements = None  # the last (key, Arrangement) of `_arrangement`
         self.refresh_every, self.drift_every = refresh_every, drift_every

@@ -95,6 +95,9 @@ class Engine(eqx.Module):
         one_device: None if its work may be split over devices (`devices=`,
             layout.py), else why not: it then runs on one device by default, and the
             router refuses it several naming this.
+        interpolates: the tasks on which it serves `ts` from the method's continuous
+            extension (`interpolate=True`); the Warp kernels integrate a step to each
+            output time instead.
     """
 
     name: ClassVar[str]
@@ -103,6 +106,7 @@ class Engine(eqx.Module):
     warp: ClassVar[bool] = False
     gradients_by: ClassVar[str | None] = None
     one_device: ClassVar[str | None] = None
+    interpolates: ClassVar[tuple[str, ...]] = ("solve", "gradient")
 
     @property
     def splits(self) -> bool:

@@ -43,4 +43,5 @@ class Fused(FusedEngine, Solves):
 
     name: ClassVar[str] = "fused"
     routes: ClassVar[tuple[str, ...]] = ("solve",)
+    interpolates: ClassVar[tuple[str, ...]] = ()
     gradients_by: ClassVar[str] = "fused_replay"

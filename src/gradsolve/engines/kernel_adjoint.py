@@ -39,6 +39,7 @@ class KernelAdjoint(FusedReplay):
     routes: ClassVar[tuple[str, ...]] = ("gradient",)
     methods: ClassVar[tuple[str, ...]] = ("tsit5", "rosenbrock23")
     named_by_recorder: ClassVar[bool] = False  # recorder="fused" means fused_replay
+    interpolates: ClassVar[tuple[str, ...]] = ()  # its Warp replay integrates to ts
     one_device: ClassVar[str] = ("its Warp kernels run in host calls, not split over "
                                  "devices; fused_replay splits its replay")
 

@@ -1,6 +1,12 @@
 """What every method is: a tableau (data) plus the two steps the recorder and the
 replay call, `trial_step(f, t, y, f0, h, args) -> (y_new, y_error, f(t+h, y_new))` and
-`plain_step(f, t, y, h, args) -> y_new`, both for ONE trajectory."""
+`plain_step(f, t, y, h, args) -> y_new`, both for ONE trajectory.
+
+A method with a continuous extension (`has_dense_output`) adds two more, which serve
+output times from the mesh's own steps: `dense_step(f, t, y, f0, h, args) -> (y_new,
+K, f(t+h, y_new))` keeps the step's slopes `K`, and `interpolate(y, y_new, h, K,
+theta)` is the state at `t + theta h`, `0 <= theta <= 1`, with no further evaluation
+of `f`."""
 
 import dataclasses
 from typing import Any, ClassVar

@@ -49,6 +49,15 @@ class ExplicitRungeKutta(Method):
 
     tableau: ButcherTableau
 
+    def _full_step(self, f, t, y, f0, h, args):
+        """`(y_new, stage slopes, f(t + h, y_new))` of a step of size `h`."""
+        tab = self.tableau
+        fs = _stages(tab, f, t, y, h, args, f0, tab.stages)
+        y_new = y + _combine(h, tab.b, fs)
+        # FSAL: the last stage was evaluated at (t + h, y_new) already.
+        f_new = fs[-1] if tab.fsal else f(t + h, y_new, args)
+        return y_new, fs, f_new
+
     def trial_step(self, f: Callable, t, y, f0, h, args):
         """One attempted step of size `h` from `(t, y)`.
 
@@ -60,12 +69,30 @@ class ExplicitRungeKutta(Method):
             `(y_new, y_error, f_new)`: the propagated state, the embedded error
             estimate, and `f(t + h, y_new)` for the next step's first stage.
         """
-        tab = self.tableau
-        fs = _stages(tab, f, t, y, h, args, f0, tab.stages)
-        y_new = y + _combine(h, tab.b, fs)
-        # FSAL: the last stage was evaluated at (t + h, y_new) already.
-        f_new = fs[-1] if tab.fsal else f(t + h, y_new, args)
-        return y_new, error_estimate(h, tab.b_error, fs), f_new
+        y_new, fs, f_new = self._full_step(f, t, y, f0, h, args)
+        return y_new, error_estimate(h, self.tableau.b_error, fs), f_new
+
+    @property
+    def has_dense_output(self) -> bool:
+        return self.tableau.dense is not None
+
+    def dense_step(self, f: Callable, t, y, f0, h, args):
+        """A step that keeps what its continuous extension needs.
+
+        Returns:
+            `(y_new, K, f_new)`: the propagated state, the stage slopes `K` of shape
+            `(s, d)` (for `interpolate`), and `f(t + h, y_new)`, the next step's `f0`.
+        """
+        y_new, fs, f_new = self._full_step(f, t, y, f0, h, args)
+        return y_new, jnp.stack(fs), f_new
+
+    def interpolate(self, y, y_new, h, K, theta):
+        """The state at `t + theta h` inside the step `(t, y) -> y_new` of size `h`
+        with stage slopes `K` (from `dense_step`): `y + h sum_i b_i(theta) K_i`."""
+        del y_new  # the interpolant is written from the step's start
+        dense = jnp.asarray(self.tableau.dense, y.dtype)
+        powers = theta ** jnp.arange(1, dense.shape[1] + 1, dtype=y.dtype)
+        return y + h * ((dense @ powers) @ K)
 
     def plain_step(self, f: Callable, t, y, h, args):
         """One step of size `h` with no error estimate: what the replay differentiates.

@@ -163,15 +163,22 @@ class Rosenbrock(Method):
     def has_dense_output(self) -> bool:
         return self.tableau.dense is not None
 
-    def dense_output(self, f, t, y, h, theta, args):
-        """The continuous extension of the step `(t, y, h)` at `t + theta h`: the
-        step's own stages, no further evaluations of `f` (see `rodas5p.py`)."""
-        y_new, _, us = self._step(f, t, y, h, args, f(t, y, args), False)
-        dtype = y.dtype
-        k = [_weighted(row, us, dtype) for row in self.tableau.dense]
+    def dense_step(self, f, t, y, f0, h, args):
+        """`(y_new, K, f(t + h, y_new))`: the step with `f0 = f(t, y)` given, and the
+        three combinations `K` of its stages that its continuous extension reads (see
+        `rodas5p.py`); a zero step returns `y`."""
+        y_new, _, us = self._step(f, t, y, h, args, f0, False)
+        y_new = jnp.where(h > 0, y_new, y)
+        K = jnp.stack([_weighted(row, us, y.dtype) for row in self.tableau.dense])
+        return y_new, K, f(t + h, y_new, args)
+
+    def interpolate(self, y, y_new, h, K, theta):
+        """The state at `t + theta h` inside the step `(t, y) -> y_new` with the
+        combinations `K` from `dense_step`: `(1 - theta) y + theta (y_new + (1 -
+        theta) (K_0 + theta (K_1 + theta K_2)))`."""
+        del h  # the stages already carry it
         one = 1 - theta
-        y_theta = one * y + theta * (y_new + one * (k[0] + theta * (k[1] + theta * k[2])))
-        return jnp.where(h > 0, y_theta, y)
+        return one * y + theta * (y_new + one * (K[0] + theta * (K[1] + theta * K[2])))
 
 
 def _weighted(weights, us, dtype):

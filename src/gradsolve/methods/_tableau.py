@@ -22,6 +22,11 @@ class ButcherTableau:
             entries.
         b: weights of the propagated solution, shape `(s,)`.
         b_error: `b - b_hat`, the weights of the embedded error estimate, shape `(s,)`.
+        dense: the continuous extension, or None: shape `(s, q)`, the weight of stage
+            `i` at `t + theta h` being `b_i(theta) = sum_m dense[i, m] theta^(m+1)`, so
+            that `y(t + theta h) = y + h sum_i b_i(theta) f_i` from the step's own
+            stages. Checked: `b_i(1) = b_i` (continuous at the step's end) and
+            `sum_i b_i(theta) = theta` (exact on constant slopes).
 
     `fsal` (first stage of the next step equals the last stage of this one) is derived,
     not declared: it holds when the last stage is evaluated at `t + h` on `y_new`.
@@ -38,6 +43,7 @@ class ButcherTableau:
     a_lower: tuple[np.ndarray, ...]
     b: np.ndarray
     b_error: np.ndarray
+    dense: np.ndarray | None = None
     fsal: bool = dataclasses.field(init=False)
 
     def __post_init__(self):
@@ -59,9 +65,20 @@ class ButcherTableau:
             raise ValueError(f"{self.name}: the weights b do not sum to one")
         if abs(b_error.sum()) > 1e-13:
             raise ValueError(f"{self.name}: the error weights do not sum to zero")
+        dense = self.dense
+        if dense is not None:
+            dense = np.asarray(dense, dtype=np.float64)
+            if dense.ndim != 2 or dense.shape[0] != s:
+                raise ValueError(f"{self.name}: dense must have shape ({s}, q)")
+            if np.abs(dense.sum(axis=1) - b).max() > 1e-13:
+                raise ValueError(f"{self.name}: the continuous extension does not end "
+                                 f"at the step's solution (b_i(1) != b_i)")
+            if np.abs(dense.sum(axis=0) - np.eye(dense.shape[1])[0]).max() > 1e-13:
+                raise ValueError(f"{self.name}: the continuous extension's weights do "
+                                 f"not sum to theta")
         fsal = bool(c[-1] == 1.0 and np.array_equal(a_lower[-1], b[:-1]) and b[-1] == 0)
         for name, value in (("c", c), ("a_lower", a_lower), ("b", b),
-                            ("b_error", b_error), ("fsal", fsal)):
+                            ("b_error", b_error), ("dense", dense), ("fsal", fsal)):
             object.__setattr__(self, name, value)
 
     @property

@@ -3,6 +3,12 @@
 Seven stages, the last one evaluated at the new state (FSAL), so an accepted step
 costs six evaluations of the right-hand side. The coefficients are the published
 ones rounded to double precision.
+
+The continuous extension is Tsitouras' fourth-degree interpolant of the same paper
+(order 4, no further evaluations): `dense[i]` holds the coefficients of `theta^1` to
+`theta^4` in stage i's weight, the values OrdinaryDiffEq.jl tabulates as `r_i1..r_i4`
+(Diffrax's `_Tsit5Interpolation` writes the same polynomials factored). The tableau
+checks that they end at `b` and sum to `theta`.
 """
 
 import numpy as np
@@ -31,6 +37,15 @@ tableau = ButcherTableau(
     b_error=np.array([0.0017800110522257773, 0.0008164344596567463,
                       -0.007880878010261994, 0.1447110071732629, -0.5823571654525552,
                       0.45808210592918686, -0.015151515151515152]),
+    dense=np.array([
+        [1.0, -2.763706197274826, 2.9132554618219126, -1.0530884977290216],
+        [0.0, 0.13169999999999998, -0.2234, 0.1017],
+        [0.0, 3.9302962368947516, -5.941033872131505, 2.490627285651253],
+        [0.0, -12.411077166933676, 30.33818863028232, -16.548102889244902],
+        [0.0, 37.50931341651104, -88.1789048947664, 47.37952196281928],
+        [0.0, -27.896526289197286, 65.09189467479368, -34.87065786149661],
+        [0.0, 1.5, -4.0, 2.5],
+    ]),
 )
 
 method = ExplicitRungeKutta(tableau)

@@ -27,6 +27,11 @@ from ..problem import EnsembleProblem, Shared, unwrap_shared
 from . import _translate
 
 
+# Why a problem runs on no Warp engine when nothing asked for its fused form.
+NOT_FUSED = ("f_jax has no fused form (EnsembleProblem(..., fused=True) or "
+             "gs.register_field translates one)")
+
+
 @dataclasses.dataclass(frozen=True)
 class FusedField:
     """A right-hand side in the fused kernels' form.
@@ -305,7 +310,7 @@ def fused_form(prob, params=None, *, warn=True) -> tuple[FusedField | None, str 
     if entry is None and getattr(prob, "fused", False):
         entry = (prob.name or "field", prob.stiff)
     if entry is None:
-        return None, "f_jax has no fused form (gs.register_field translates one)"
+        return None, NOT_FUSED
     params = prob.params if params is None else params
     key = (prob.f_jax, prob.d, np.dtype(prob.y0.dtype).name, _translate.layout(params), entry)
     if key not in _TRANSLATIONS:
