@@ -20,7 +20,7 @@ import time
 
 _T_START = time.perf_counter()  # a compile worker reports its imports' time from here
 
-from _harness import ROOT, cli, fmt, log, md_table, run, target, timed_fit  # noqa: E402
+from _harness import ROOT, cli, fmt, log, md_table, run, target, timed_fit, warm  # noqa: E402
 
 import json  # noqa: E402
 import os  # noqa: E402
@@ -84,7 +84,7 @@ def fit_point(name, B, n1, n2, repeats):
     record = lambda: gs.engines.ENGINES[rep.engine].record(prob, rep.config, params=params).h
     out = {"B": B, "n": prob.n, "n1": n1, "n2": n2, "engine": rep.engine,
            "method": rep.config.method, "mesh_S": int(record().shape[1]),
-           "record_s": float(np.median([timed(record) for _ in range(repeats)]))}
+           "record_s": warm(record, repeats)["median_s"]}
     t = {s: {n1: [], n2: []} for s in cals}
     for _ in range(repeats):
         for s, cal in cals.items():           # alternate sides: they share the noise
@@ -100,12 +100,6 @@ def fit_point(name, B, n1, n2, repeats):
     log(f"  {name} B={B}: x{out['diffrax_per_update_s'] / out['replay_per_update_s']:.2f}"
         " per update")
     return out
-
-
-def timed(fn):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t
 
 
 def fit(args):
