@@ -149,14 +149,18 @@ def test_fixed_step_convergence_order(problem, method, steps, bounds):
 INSIDE = np.array([1.3, 2.7])
 
 
-@pytest.mark.parametrize("method,bounds", [("tsit5", (4.7, 6.0)), ("rodas5p", (4.7, 5.6))])
-def test_continuous_extension_order(method, bounds):
-    # Both interpolants are fourth order: local error O(h^5) inside a step, beside the
-    # fifth-order global error of the mesh values, so the values at INSIDE converge at
-    # order 5; a wrong interpolation coefficient leaves O(h^4) or worse (slope <= 4).
-    # On the non-autonomous Jacobi problem against ellipj; measured slopes 5.50 (Tsit5)
-    # and 5.12 (Rodas5P), errors 1e-7 down to 1e-12; bounds as for the orders above.
-    prob, _ = _elliptic(False)
+@pytest.mark.parametrize("method,bounds,autonomous", [("tsit5", (4.7, 6.0), False),
+                                                     ("rodas5p", (4.7, 5.6), False),
+                                                     ("rosenbrock23", (1.8, 2.3), True)])
+def test_continuous_extension_order(method, bounds, autonomous):
+    # Tsit5's and Rodas5P's interpolants are fourth order: local error O(h^5) inside a
+    # step, beside the fifth-order global error of the mesh values, so the values at
+    # INSIDE converge at order 5; a wrong interpolation coefficient leaves O(h^4) or
+    # worse (slope <= 4). Rosenbrock23's is second order, as the method (a wrong weight
+    # leaves O(h)). On the Jacobi problem against ellipj (autonomous for Rosenbrock23);
+    # measured slopes 5.50 (Tsit5), 5.12 (Rodas5P), 2.00 (Rosenbrock23); bounds as
+    # for the orders above.
+    prob, _ = _elliptic(autonomous)
     m, a = np.asarray(prob.params["m"]), np.asarray(prob.params["a"])
     sn, cn, dn, _ = ellipj(INSIDE[None] + a[:, None] * np.sin(INSIDE)[None], m[:, None])
     exact = np.stack([sn, cn, dn], axis=-1)                     # (n, J, d)

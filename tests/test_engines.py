@@ -15,17 +15,17 @@ from gradsolve.problems import linear_exact
 from helpers import rel_err_componentwise
 
 
-def test_interpolate_on_a_stiff_fused_field_reaches_rodas5p():
+def test_interpolate_on_a_stiff_fused_field_reaches_a_jax_replay():
     # linear_stiff has a fused form with a Jacobian, so the fused engine would pick
-    # Rosenbrock23, which has no continuous extension: it must refuse and the request
-    # go on to the general engine's Rodas5P.
+    # Rosenbrock23, whose kernel integrates a step to each output time: it must refuse
+    # and the solve go on to the general engine's Rodas5P.
     prob = gs.problems.linear_stiff(n=2, d=5)
     ts = np.array([0.25, 0.5, 1.0])
     sol = gs.solve(prob, ts=ts, interpolate=True, rtol=1e-6, atol=1e-9)
     why = dict(sol.passed_over)
     assert (sol.engine, sol.method) == ("general", "rodas5p")
-    assert why["fused"] == ("interpolate=True needs a method with a continuous extension; "
-                            "'rosenbrock23' has none")
+    assert why["fused"] == ("its Warp kernels serve ts by an integrated step; "
+                            "interpolate=True runs on the JAX replay")
     assert why["diffrax"] == "Diffrax has no 'rodas5p' solver"
     # Against the closed form (SciPy's expm), entry by entry. At rtol 1e-6 the
     # interpolated outputs measured 7e-7 (the integrated ones 1.3e-7); 1e-5 leaves
@@ -33,9 +33,10 @@ def test_interpolate_on_a_stiff_fused_field_reaches_rodas5p():
     # state at the wrong mesh point (errors ~1e-1).
     exact = np.stack([linear_exact(prob, t) for t in ts], axis=1)
     assert rel_err_componentwise(sol.ys, exact) < 1e-5
-    # The gradient request takes the same way round.
+    # The gradient: the Warp recorder and the JAX replay, which interpolates
+    # Rosenbrock23's steps; the in-kernel adjoint refuses.
     eng, passed = gs.route(gs.router.request_for(prob, gradient=True, interpolate=True))
-    assert eng.name == "general_replay" and "continuous extension" in passed["fused_replay"]
+    assert eng.name == "fused_replay" and "integrated step" in passed["kernel_adjoint"]
 
 
 def test_fused_false_keeps_every_request_off_warp():

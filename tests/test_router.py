@@ -60,11 +60,7 @@ def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False, rtol
      {"kernel_adjoint": INTEGRATED}),
     (R(False, fused=True, interpolate=True), None, "diffrax", "tsit5", {"fused": INTEGRATED}),
     (R(True, stiff=True, fused=True, jacobian=True, interpolate=True), None,
-     "general_replay", "rodas5p",
-     {"kernel_adjoint": "interpolate=True needs a method with a continuous extension; "
-                        "'rosenbrock23' has none",
-      "fused_replay": "interpolate=True needs a method with a continuous extension; "
-                      "'rosenbrock23' has none"}),
+     "fused_replay", "rosenbrock23", {"kernel_adjoint": INTEGRATED}),
     # gradient, any other field -> general_replay (Rodas5P when stiff)
     (R(True), None, "general_replay", "tsit5",
      {"kernel_adjoint": NOT_FUSED, "fused_replay": NOT_FUSED}),

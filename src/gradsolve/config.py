@@ -88,7 +88,7 @@ def default_remat(method, stiff: bool, d: int) -> bool:
 def check_interpolate(method, interpolate):
     if interpolate and not method.has_dense_output:
         raise ValueError(f"interpolate=True needs a method with a continuous extension "
-                         f"(tsit5, rodas5p); {method.name!r} has none")
+                         f"(tsit5, rodas5p, rosenbrock23); {method.name!r} has none")
 
 
 def make_config(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STEPS,

@@ -214,7 +214,7 @@ def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=
         ts: output times; each output is integrated by one extra step.
         remat: recompute steps in the backward sweep (default on for non-stiff
             methods, for stiff ones from 16 variables on).
-        interpolate: serve `ts` from the continuous extension (Tsit5, Rodas5P; the
+        interpolate: serve `ts` from the continuous extension (all methods but Vern7; the
             JAX replay) instead: no evaluation of the field beyond the mesh's steps,
             where each integrated output costs one more step.
         mesh: differentiate on this mesh instead of recording one.

@@ -40,7 +40,7 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
         remat: recompute the step in the backward sweep (`eqx.filter_checkpoint`;
             default: on for non-stiff methods, and for stiff ones from 16 variables on).
         interpolate: serve `ts` from the method's continuous extension on the mesh
-            step containing each time (Tsit5, Rodas5P: no evaluation of the field
+            step containing each time (all methods but Vern7: no evaluation of the field
             beyond the mesh's steps), instead of an extra integrated step.
         engine: None (the JAX replay) or `"kernel_adjoint"`: the same function
             computed by Warp kernels, its gradient by the Warp backward (Tsit5 and

@@ -91,7 +91,7 @@ def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtyp
         dtype: cast the problem to this floating dtype first.
         max_steps: cap on attempted steps per trajectory.
         dt0: first step (default: Hairer & Wanner's rule per trajectory).
-        interpolate: serve `ts` from the continuous extension (Tsit5, Rodas5P; the
+        interpolate: serve `ts` from the continuous extension (all methods but Vern7; the
             JAX engines) rather than by one extra integrated step per output.
         fused: None lets the router choose; True asks for the Warp engine (an error
             says why if it cannot serve); False keeps the solve off every Warp engine.

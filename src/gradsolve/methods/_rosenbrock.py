@@ -206,6 +206,21 @@ class Rosenbrock23(Method):
         k2 = solve(f1 - k1) + k1
         return y + h * k2, solve, k1, k2, f1
 
+    has_dense_output: ClassVar[bool] = True
+
+    def dense_step(self, f, t, y, f0, h, args):
+        """`(y_new, K = (k1, k2), f(t + h, y_new))`; a zero step returns `y`."""
+        y_new, _, k1, k2, _ = self._step(f, t, y, h, args, f0)
+        y_new = jnp.where(h > 0, y_new, y)
+        return y_new, jnp.stack([k1, k2]), f(t + h, y_new, args)
+
+    def interpolate(self, y, y_new, h, K, theta):
+        """The ode23s interpolant at `t + theta h` (see `rosenbrock23.py`)."""
+        del y_new
+        d = jnp.asarray(self.tableau.d, y.dtype)
+        w1, w2 = theta * (1 - theta), theta * (theta - 2 * d)
+        return y + (h / (1 - 2 * d)) * (w1 * K[0] + w2 * K[1])
+
     def trial_step(self, f, t, y, f0, h, args):
         y_new, solve, k1, k2, f1 = self._step(f, t, y, h, args, f0)
         f2 = f(t + h, y_new, args)

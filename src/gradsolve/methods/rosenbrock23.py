@@ -15,6 +15,11 @@ autonomous use):
     k3    = W^{-1} (f2 - e32 (k2 - f1) - 2 (k1 - f0) + h d f_t)
     error = (h / 6) (k1 - 2 k2 + k3)
 
+Its continuous extension (the same paper's, MATLAB's ntrp23s; order 2, from k1 and k2
+alone) at t + theta h:
+
+    y(theta) = y + h (theta (1 - theta) k1 + theta (theta - 2 d) k2) / (1 - 2 d)
+
 with d = 1 / (2 + sqrt(2)) and e32 = 6 + sqrt(2). gradsolve uses it for autonomous
 systems only (the f_t terms are never formed; a field that reads t is refused). `error` is the order-3 solution
 y + (h/6)(k1 + 4 k2 + k3) minus y_new, i.e. `y_hat - y_new` (the sign is the
