@@ -389,8 +389,8 @@ def test_mesh_widths_are_few_and_tight():
     # (so a fit compiles its update a few times), and pads by at most 25%.
     widths = [padded_width(c) for c in range(1, 1025)]
     assert all(w >= c for c, w in zip(range(1, 1025), widths))
-    assert max(w / c for c, w in zip(range(9, 1025), widths[8:])) <= 1.25
-    for lo in (8, 16, 32, 64, 128, 256, 512):
+    assert max(w / c for c, w in zip(range(5, 1025), widths[4:])) <= 1.25
+    for lo in (4, 8, 16, 32, 64, 128, 256, 512):
         assert len({w for w in widths if lo < w <= 2 * lo}) == 4
 
 
