@@ -200,17 +200,17 @@ def refresh_fit(prob, count, theta0, B=8, K=4, q_low=0.55, every=10, steps=40):
                                 sides=("replay",))
     cal, rows, pending = cals["replay"], [], {}
     refresh, step = cal._maybe_refresh, cal._step
-    width = lambda st: int(st.mesh["h"].shape[1])
+    width = lambda window: int(window.state.mesh["h"].shape[1])
 
-    def maybe_refresh(state, *a):
-        new, r = count.timed(lambda: refresh(state, *a), lambda new: new.mesh)
-        pending.update(refresh=r, width_before=width(state), width=width(new),
-                       refreshed=int(new.refreshes) != int(state.refreshes))
+    def maybe_refresh(window, *a):
+        new, r = count.timed(lambda: refresh(window, *a), lambda new: new.state.mesh)
+        pending.update(refresh=r, width_before=width(window), width=width(new),
+                       refreshed=int(new.state.refreshes) != int(window.state.refreshes))
         return new
 
-    def timed_step(*a):
-        new, r = count.timed(lambda: step(*a), lambda new: new.loss)
-        rows.append(dict(pending, update=len(rows) + 1, step=r))
+    def timed_step(*a):  # one call of the compiled loop: `count` updates
+        new, r = count.timed(lambda: step(*a), lambda new: new[0].loss)
+        rows.append(dict(pending, call=len(rows) + 1, updates=int(new[1]), step=r))
         pending.clear()
         return new
     cal._maybe_refresh, cal._step = maybe_refresh, timed_step
@@ -218,8 +218,9 @@ def refresh_fit(prob, count, theta0, B=8, K=4, q_low=0.55, every=10, steps=40):
     refreshes = [r for r in rows if r.get("refreshed")]
     return {"first": refreshes[0] if refreshes else None,
             "widened": next((r for r in refreshes if r["width"] != r["width_before"]), None),
-            "warm_update_s": float(np.median([r["step"]["s"] for r in rows if not
-                                              r.get("refreshed") and not r["step"]["compilations"]]))}
+            "warm_update_s": float(np.median([r["step"]["s"] / r["updates"] for r in rows
+                                              if not r.get("refreshed")
+                                              and not r["step"]["compilations"]]))}
 
 
 def compile_times(args):

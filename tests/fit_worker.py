@@ -64,7 +64,8 @@ def calibrator(checkpoint_dir=None, checkpoint_every=None, loss=squares, data=DA
 
 def interrupting(cal, after):
     """`cal` with its update raising KeyboardInterrupt (a simulated Ctrl-C) once it
-    has run `after` times."""
+    has run `after` times (one update per call of the compiled loop)."""
+    cal._max_updates = 1
     update = cal._update
     calls = {"n": 0}
 

@@ -23,6 +23,7 @@ import fit_worker  # noqa: E402
 from fit_worker import (assert_same_state, flip_a_byte, interrupting,  # noqa: E402
                         steps_in)
 from gradsolve.mesh import padded_width  # noqa: E402
+from gradsolve.calibrate._calibrator import MAX_UPDATES_PER_CALL as MAX_UPDATES  # noqa: E402
 
 
 B, K = 8, 4
@@ -370,6 +371,48 @@ def test_a_new_steps_value_compiles_nothing(tmp_path):
     with _Compiles() as compiles:
         res = cal.fit(fit_worker.THETA0, steps=11, progress=False)
     assert res.resumed_from == 5 and res.updates == 11 and compiles.n == 0
+
+
+def _calls_of_the_update(cal, interrupt_at=None):
+    """`cal` counting the calls of its compiled update loop, and the count; Ctrl-C
+    (simulated) in the first call that starts with a fit at `interrupt_at` updates or
+    more (a call that follows a refresh: the case that used to count it twice)."""
+    update, calls = cal._update, []
+
+    def counting(state, *args, **kwargs):
+        calls.append(1)
+        if interrupt_at is not None and np.asarray(state.steps).max() >= interrupt_at:
+            raise KeyboardInterrupt("simulated interruption")
+        return update(state, *args, **kwargs)
+    cal._update = counting
+    return cal, calls
+
+
+def test_compiled_update_loop_equals_one_update_per_call(tmp_path):
+    # The updates run in one compiled loop until a refresh, a counted save or a refill
+    # of a slot is due; every update is the same compiled body either way, so a fit
+    # equals bit for bit the one run an update per call: 4 starts through 3 slots (the
+    # fourth enters when a slot's fit reaches the cap), refreshes every 10 updates,
+    # minibatches of one of each fit's two trajectories, and a resume from a checkpoint
+    # saved by Ctrl-C.
+    def run(max_updates, directory=None, interrupt_at=None):
+        cal = fit_worker.calibrator(directory, checkpoint_every=7 if directory else None,
+                                    refresh_every=10, batch_size=1)
+        cal._max_updates = max_updates
+        cal, calls = _calls_of_the_update(cal, interrupt_at)
+        return cal.fit(fit_worker.THETA0, steps=30, slots=3, progress=False), calls
+    one, calls_one = run(1)
+    many, calls_many = run(MAX_UPDATES)
+    assert one.updates == many.updates == len(calls_one) == 60
+    assert len(calls_many) <= 12, len(calls_many)  # 60 updates, a refresh every 10
+    assert_same_state(many, one)
+    np.testing.assert_array_equal(many.history, one.history)
+    with pytest.raises(KeyboardInterrupt):
+        run(MAX_UPDATES, tmp_path / "fit", interrupt_at=12)
+    resumed, _ = run(MAX_UPDATES, tmp_path / "fit")
+    assert resumed.resumed_from not in (None, 0, 60)
+    assert_same_state(resumed, one)
+    np.testing.assert_array_equal(resumed.history, one.history)
 
 
 def test_progress_bar_redraws_a_few_times_a_second(capfd):

@@ -117,6 +117,7 @@ def test_the_fit_goes_on_while_a_step_is_written(tmp_path):
     # background: step 5's writer here waits until update 7 has run, which only an
     # asynchronous save allows (a synchronous one times out and fails the save).
     cal, ran = calibrator(tmp_path / "fit", checkpoint_every=5), threading.Event()
+    cal._max_updates = 1  # one update per call of the compiled loop: calls count updates
     update, calls = cal._update, []
 
     def counting(*args, **kwargs):

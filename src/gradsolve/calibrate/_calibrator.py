@@ -25,6 +25,7 @@ import hashlib
 import json
 import re
 import sys
+import time
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -64,6 +65,15 @@ class FitStatus(enum.IntEnum):
 # updates (history and drift per fit, minibatch keys per start) -- a format-1 state
 # (one global update count) would resume into different draws and refreshes.
 STATE_FORMAT = 2
+
+# Updates run by one call of the compiled loop, at most (its loss record is this long),
+# and the wall time a call aims at: the host returns between calls to refresh, save,
+# report progress and take Ctrl-C, so a call runs as many updates as fit in
+# CALL_SECONDS by the last call's pace, cut at the next update where a refresh, drift
+# check or counted save is due. Results do not depend on it: every update, one per call
+# or many, runs the same compiled body.
+MAX_UPDATES_PER_CALL = 64
+CALL_SECONDS = 0.1
 
 
 class FitState(NamedTuple):
@@ -138,8 +148,8 @@ class Calibrator:
         transform: parameter transforms (`gs.transforms.Positive()`, `Bounded(lo,
             hi)`), one for all leaves or a pytree matching `theta0`; None: identity.
         rtol, atol, method, ts, max_steps, dt0: the record's and replay's settings.
-        interpolate: serve `ts` from the method's continuous extension (Tsit5,
-            Rodas5P; on the JAX replay) instead of one integrated step per output time:
+        interpolate: serve `ts` from the method's continuous extension (every
+            method but Vern7; on the JAX replay) instead of one integrated step per output time:
             the outputs then cost no evaluation of the field beyond the mesh's steps,
             which matters when there are many more outputs than steps (a neural ODE's
             data; see `gs.value_and_grad`).
@@ -236,7 +246,8 @@ class Calibrator:
         self.drift_tol = None if drift_tol is None else float(drift_tol)
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self._ys = self._engine.ys_function(self.problem, self.config, "reverse")
-        self._update = eqx.filter_jit(self._update_impl)
+        self._update = eqx.filter_jit(self._updates_impl)
+        self._max_updates = MAX_UPDATES_PER_CALL  # 1: one update per call (tests)
         self._replayed = eqx.filter_jit(self._replayed_impl)
 
     # -- the per-update computation -------------------------------------------------
@@ -331,6 +342,33 @@ class Calibrator:
             status=status, steps=steps, loss=jnp.where(state.active, losses, state.loss),
             grad_norm=jnp.where(state.active, grad_norm, state.grad_norm),
             update=state.update + 1), arr)
+
+    def _updates_impl(self, state: FitState, static, mesh, data, y0, start, tol, grad_tol,
+                      cap, n, refill, arr=None):
+        """Up to `n` updates (`_update_impl`) in one compiled loop, stopping early once
+        no fit is active or, with `refill` (starts waiting for a slot), once a slot's
+        fit has stopped, so that the host refills it before the next update as it would
+        between single updates. Returns the state, the number of updates run and, per
+        update, each slot's step count and activity before it and its loss."""
+        B = state.active.shape[0]
+        record = (jnp.zeros((MAX_UPDATES_PER_CALL, B), state.steps.dtype),
+                  jnp.zeros((MAX_UPDATES_PER_CALL, B), bool),
+                  jnp.zeros((MAX_UPDATES_PER_CALL, B), state.loss.dtype))
+        entered = state.active
+
+        def go_on(carry):
+            i, s, _ = carry
+            return (i < n) & s.active.any() & ~(refill & (entered & ~s.active).any())
+
+        def update(carry):
+            i, s, (steps, active, loss) = carry
+            new = self._update_impl(s, static, mesh, data, y0, start, tol, grad_tol, cap,
+                                    arr)
+            return i + 1, new, (steps.at[i].set(s.steps), active.at[i].set(s.active),
+                                loss.at[i].set(new.loss))
+        count, state, record = jax.lax.while_loop(
+            go_on, update, (jnp.zeros((), jnp.int32), state, record))
+        return state, count, record
 
     # -- records --------------------------------------------------------------------
 
@@ -491,25 +529,36 @@ class Calibrator:
                       f"{self.checkpoint_dir} ({done} updates run in all; the fits have done "
                       f"{np.asarray(state.steps).min()}..{np.asarray(state.steps).max()} updates "
                       f"each, capped at steps={steps} per fit)")
-        window = None
+        # `settled`: the window as the last completed call left it (or as the last
+        # fill made it). Ctrl-C keeps that, not a refresh made for a call that did not
+        # finish: the resumed fit refreshes there again, as the uninterrupted one did
+        # (keeping the refresh would count it twice).
+        window = settled = pace = None
         try:
             try:
                 while True:
                     state, window = self._fill(state, window, K, B)
+                    settled = window
                     if window is None or not np.asarray(window.state.active).any():
                         break  # no start left to run
                     window = self._maybe_refresh(window, state.drift, static, K)
                     before = np.asarray(window.state.active)
                     if not before.any():  # every slot's refresh failed: fill them again
                         continue
-                    at = np.asarray(window.state.steps)
-                    window = window._replace(state=self._step(window, static, tol,
-                                                              grad_tol, cap))
+                    n = self._updates_due(window, done, None if store is None else schedule,
+                                          pace)
+                    began = time.perf_counter()
+                    new, count, (at, ran, losses) = self._step(window, static, tol,
+                                                               grad_tol, cap, n, queue)
+                    window, count = window._replace(state=new), int(count)
+                    settled = window
+                    pace = (time.perf_counter() - began) / count
                     # A fit's history row t is its loss at its update t.
-                    state.history[at[before], window.start[before]] = \
-                        np.asarray(window.state.loss)[before]
-                    done += 1
-                    _show(bar, state, window, queue)
+                    at, ran, losses = (np.asarray(x)[:count] for x in (at, ran, losses))
+                    state.history[at[ran], np.broadcast_to(window.start, ran.shape)[ran]] = \
+                        losses[ran]
+                    done += count
+                    _show(bar, state, window, queue, count)
                     if store is not None and schedule.due(done):
                         # Written in the background while the fit goes on; a save
                         # that fails is warned about and the next one writes again.
@@ -534,8 +583,8 @@ class Calibrator:
                     store.save(done, state._asdict(), meta)
                     store.wait()
         except KeyboardInterrupt:
-            if window is not None:
-                state = self._flush(state, window)
+            if settled is not None:
+                state = self._flush(state, settled)
             done = int(state.update)
             how = "nothing saved (no checkpoint_dir)"
             if done == 0:
@@ -618,19 +667,44 @@ class Calibrator:
         # Zero updates for the fixed leaf: it stays at its grid value exactly.
         jobs.optimizer = optax.chain(self.optimizer, optax.masked(optax.set_to_zero(), hold))
         jobs._ys = self._engine.ys_function(prob, self.config, "reverse")
-        jobs._update = eqx.filter_jit(jobs._update_impl)
+        jobs._update = eqx.filter_jit(jobs._updates_impl)
         jobs._replayed = eqx.filter_jit(jobs._replayed_impl)
         return jobs.fit(theta0, steps=steps, tol=tol, grad_tol=grad_tol, progress=progress,
                         slots=slots)
 
-    def _step(self, window, static, tol, grad_tol, cap):
-        """One compiled update of the slots' fits."""
+    def _step(self, window, static, tol, grad_tol, cap, n, refill):
+        """Up to `n` compiled updates of the slots' fits (`_updates_impl`)."""
         mesh = self._mesh(window.state.mesh)
         B = window.state.active.shape[0]
         batch = None if self.batch_size is None else B * self.batch_size
         return self._update(window.state, static, mesh, window.data, window.y0,
                             jax.device_put(window.start), tol, grad_tol, cap,
+                            jnp.asarray(n, jnp.int32), jnp.asarray(refill),
                             self._arrangement(mesh, window.y0.shape[0], batch))
+
+    def _updates_due(self, window, done, schedule, pace):
+        """How many updates the next call may run: as many as fit in CALL_SECONDS at
+        `pace` (seconds per update, None before the first) or before a save on a wall
+        time interval is due, up to the next update before which a running fit's
+        refresh or drift check is due (`_maybe_refresh` tests them per fit, before its
+        update) and the next save every so many updates (`schedule`: None without
+        checkpoints)."""
+        if pace is None:
+            n = 1  # the first call compiles: take the pace from the second
+        else:
+            left = None if schedule is None else schedule.seconds_left()
+            seconds = CALL_SECONDS if left is None else min(CALL_SECONDS, left)
+            n = int(np.clip(seconds / max(pace, 1e-9), 1, self._max_updates))
+        save_every = None if schedule is None or not isinstance(schedule.every, int) \
+            else schedule.every
+        steps = np.asarray(window.state.steps)[np.asarray(window.state.active)]
+        if window.state.mesh is not None:
+            for every in (self.refresh_every, self.drift_every):
+                if every is not None and steps.size:
+                    n = min(n, int((every - steps % every).min()))
+        if save_every is not None:
+            n = min(n, save_every - done % save_every)
+        return max(n, 1)
 
     def _arrangement(self, mesh, n, batch=None, cache=True):
         """Where `n` trajectories are replayed on `mesh` (layout.py): made anew when the
@@ -1148,7 +1222,7 @@ def _check_domain(transform, theta0, u0):
                 f"(fits {np.flatnonzero(bad)[:10].tolist()})")
 
 
-def _show(bar, state, window, queue):
+def _show(bar, state, window, queue, count):
     """The bar after an update: the slots' loss range and, over all starts, how many
     converged; with a queue it counts the starts that have stopped."""
     if bar is None:
@@ -1164,7 +1238,7 @@ def _show(bar, state, window, queue):
                         else "loss n/a", refresh=False)
     bar.set_description(f"converged {int(np.sum(status == FitStatus.CONVERGED))}/"
                         f"{status.size}", refresh=False)
-    bar.update(int(np.sum(~active)) - bar.n if queue else 1)
+    bar.update(int(np.sum(~active)) - bar.n if queue else count)
 
 
 def _say(bar, message):

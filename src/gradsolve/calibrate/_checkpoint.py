@@ -73,6 +73,12 @@ class Schedule:
     def saved(self):
         self.last = time.monotonic()
 
+    def seconds_left(self) -> float | None:
+        """Wall time until a save on a time interval is due (None: counted saves)."""
+        if isinstance(self.every, datetime.timedelta):
+            return self.every.total_seconds() - (time.monotonic() - self.last)
+        return None
+
 
 def check_every(every):
     """`checkpoint_every` checked: None, a positive int or a positive timedelta."""
