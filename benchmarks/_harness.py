@@ -15,16 +15,18 @@ Named `_harness` (not `_common`) so that it cannot shadow recipes/_common.py whe
 script puts recipes/ on sys.path.
 """
 
+import os
+
 import jax
 
-jax.config.update("jax_enable_x64", True)
+# float64 unless a script runs a worker the float32 way (GRADSOLVE_BENCH_X64=0).
+jax.config.update("jax_enable_x64", os.environ.get("GRADSOLVE_BENCH_X64", "1") != "0")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import platform  # noqa: E402
 import resource  # noqa: E402
 import subprocess  # noqa: E402
@@ -39,8 +41,8 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs" / "benchmarks.md"
-SCRIPTS = ("grad_vs_diffrax", "stiff_and_high_order", "fit_vs_diffrax", "fused_forward",
-           "kernel_adjoint", "scale")
+SCRIPTS = ("grad_vs_diffrax", "stiff_and_high_order", "fit_vs_diffrax", "neural_ode",
+           "fused_forward", "kernel_adjoint", "scale")
 PACKAGES = ("gradsolve", "jax", "jaxlib", "diffrax", "equinox", "optax", "warp-lang",
             "numpy", "scipy")
 
