@@ -16,8 +16,8 @@ def padded_width(columns: int) -> int:
     """The padded width for `columns` steps: 4 at least, then four widths per doubling
     (5, 6, 7, 8, 10, 12, 14, 16, 20, ...). Small meshes are common (a neural ODE's
     takes ~5 steps) and padding them to 8 made its gradient 1.5x as expensive
-    (measured on benchmarks/neural_ode.py's 32 trajectories, before the padding
-    columns were skipped: 10.3 ms at width 8 against 6.9 ms at 5)."""
+    (measured on benchmarks/neural_ode.py's 32 trajectories: 10.3 ms at width 8
+    against 6.9 ms at 5: a zero step costs what a step costs)."""
     if columns <= 4:
         return 4
     step = 1 << (int(columns - 1).bit_length() - 3)

@@ -163,7 +163,7 @@ def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False, mask=
 
     def column(carry, h_k):
         t, y = carry
-        y_next = _unless_padding(h_k, lambda: safe_step(t, y, h_k), lambda: y)
+        y_next = safe_step(t, y, h_k)
         return (t + h_k, y_next), ((t, y) if ts is not None else None)
 
     (t_end, y_end), history = jax.lax.scan(column, (t, y0.T), h.T)
@@ -181,16 +181,6 @@ def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False, mask=
     dt = jnp.where(ok, ts[:, None] - t_base, 0)
     ys = jax.vmap(safe_step)(t_base, y_base, dt)
     return jnp.where(ok[:, None, None], jnp.transpose(ys, (2, 0, 1)), 0)  # (n, J, d)
-
-
-def _unless_padding(h_k, step, identity):
-    """`step()` unless every trajectory's step in this column is zero -- the columns
-    past the longest trajectory, which pad the mesh to its width -- then
-    `identity()`, without running the step. A real branch (`lax.cond` on one
-    predicate for the column; its transpose branches too), so padding costs nearly
-    nothing forward and backward; under a `vmap` of the replay it becomes a select
-    and costs what a zero step costs."""
-    return jax.lax.cond(jnp.any(h_k > 0), step, identity)
 
 
 def _containing_step(t_grid, ts, n_steps):
@@ -218,13 +208,10 @@ def _interpolated(f, method, axes, remat, params, t, y0, h, h_rest, n_steps, ts)
         return jnp.where(took, y_new, y), K, jnp.where(took, f_new, f0)
 
     f0 = jax.vmap(f, in_axes=(0, 1, axes), out_axes=1)(t, y0.T, params)
-    K_zero = jax.eval_shape(step, t, y0.T, f0, h[:, 0])[1]  # the slopes' shape, traced
 
     def column(carry, h_k):
         t, y, f0 = carry
-        y_new, K, f_new = _unless_padding(
-            h_k, lambda: step(t, y, f0, h_k),
-            lambda: (y, jnp.zeros(K_zero.shape, K_zero.dtype), f0))
+        y_new, K, f_new = step(t, y, f0, h_k)
         return (t + h_k, y_new, f_new), (t, y, K)
 
     (t_end, y_end, _), (t_all, y_all, K_all) = jax.lax.scan(column, (t, y0.T, f0), h.T)
