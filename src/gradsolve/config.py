@@ -87,8 +87,9 @@ def default_remat(method, stiff: bool, d: int) -> bool:
 
 def check_interpolate(method, interpolate):
     if interpolate and not method.has_dense_output:
+        having = [m for m in methods.names() if methods.get(m).has_dense_output]
         raise ValueError(f"interpolate=True needs a method with a continuous extension "
-                         f"(tsit5, rodas5p, rosenbrock23); {method.name!r} has none")
+                         f"({', '.join(having)}); {method.name!r} has none")
 
 
 def make_config(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STEPS,

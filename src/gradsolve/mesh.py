@@ -91,8 +91,8 @@ class Mesh(eqx.Module):
     def widened(self, columns: int = 0) -> "Mesh":
         """Padded to the smallest of a few fixed widths that holds `columns` and S: a
         refreshed mesh keeps its compiled replay unless it outgrows the width, and one
-        that grows lands on one of a few widths (at most 4 per doubling: 5, 6, 7, 8, 10, 12,
-        14, 16, 20, 24, 28, 32, 40, ...), so the padding is at most 25% of S and a long
+        that grows lands on one of a few widths (at most 4 per doubling: 5, 6, 7, 8, 10,
+        12, 14, 16, 20, 24, 28, 32, 40, ...), so the padding is at most 25% of S and a long
         fit compiles its replay a few times, not once per width."""
         return self.padded(padded_width(max(columns, self.columns)))
 
