@@ -202,17 +202,13 @@ def _interpolated(f, method, axes, remat, params, t, y0, h, h_rest, n_steps, ts)
     if remat:
         dense = eqx.filter_checkpoint(dense)
 
-    def step(t, y, f0, h_k):
-        took = h_k > 0
-        y_new, K, f_new = dense(t, y, f0, jnp.where(took, h_k, h_rest), params)
-        return jnp.where(took, y_new, y), K, jnp.where(took, f_new, f0)
-
-    f0 = jax.vmap(f, in_axes=(0, 1, axes), out_axes=1)(t, y0.T, params)
-
     def column(carry, h_k):
         t, y, f0 = carry
-        y_new, K, f_new = step(t, y, f0, h_k)
-        return (t + h_k, y_new, f_new), (t, y, K)
+        took = h_k > 0
+        y_new, K, f_new = dense(t, y, f0, jnp.where(took, h_k, h_rest), params)
+        return (t + h_k, jnp.where(took, y_new, y), jnp.where(took, f_new, f0)), (t, y, K)
+
+    f0 = jax.vmap(f, in_axes=(0, 1, axes), out_axes=1)(t, y0.T, params)
 
     (t_end, y_end, _), (t_all, y_all, K_all) = jax.lax.scan(column, (t, y0.T, f0), h.T)
     t_grid = jax.lax.stop_gradient(jnp.concatenate([t_all, t_end[None]])).T  # (n, S+1)
