@@ -18,6 +18,8 @@ Sections:
 - outputs: the gradient of 32 trajectories on one recorded mesh with no outputs, 100
   integrated outputs (an extra step each) and 100 from the continuous extension,
   beside Diffrax's gradient with `SaveAt(ts=...)`;
+- refresh: refresh_every None, 10, 25, 50, 100 on the example, 300 updates each from
+  the same network: wall time (compiles included) and full-data loss;
 - spiral: DiffEqFlux's neural ODE example (`u' = A u^3`, u0 = (2, 0), 30 points on
   [0, 1.5], `Dense(2, 50, tanh), Dense(50, 2)` on `u^3`, Adam 0.05, sum of squares,
   Tsit5 at DifferentialEquations.jl's default rtol 1e-3, atol 1e-6): the wall time of
@@ -82,14 +84,14 @@ def full_loss(mlp, y0, ts, data):
     return float(jnp.mean((jax.vmap(diffrax_solve, (None, 0, None))(mlp, y0, ts) - data) ** 2))
 
 
-def calibrator(ts, data, y0, mlp):
+def calibrator(ts, data, y0, mlp, refresh_every=REFRESH):
+    """One fit over the problem's shared network (no fit axis): `(cal, theta0)`."""
     prob = gs.EnsembleProblem(mlp_field, y0=y0, params={"mlp": gs.Shared(mlp)},
                               t_span=(0.0, 10.0), name="neural_ode")
-    cal = gs.Calibrator(prob, lambda ys, m, d: jnp.mean((ys - d) ** 2),
-                        to_params=lambda m: {"mlp": gs.Shared(m)}, data=data[None], ts=ts,
-                        interpolate=True, rtol=RTOL, atol=ATOL, batch_size=BATCH,
-                        optimizer=optax.adam(LR), refresh_every=REFRESH)
-    return cal, jax.tree.map(lambda x: x[None] if eqx.is_array(x) else x, mlp)
+    cal = gs.Calibrator(prob, lambda ys, theta, d: jnp.mean((ys - d) ** 2), data=data,
+                        ts=ts, interpolate=True, rtol=RTOL, atol=ATOL, batch_size=BATCH,
+                        optimizer=optax.adam(LR), refresh_every=refresh_every)
+    return cal, {"mlp": mlp}
 
 
 def diffrax_trainer(ts, data, y0):
@@ -139,7 +141,7 @@ def training(args):
             times["diffrax"][n].append(dt)
     med = {s: {n: float(np.median(v[n][1:])) for n in v} for s, v in times.items()}
     per_update = {s: (m[n2] - m[n1]) / (n2 - n1) for s, m in med.items()}
-    ours = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, res.theta)
+    ours = res.best().theta["mlp"]
     out = {"dtype": str(ts.dtype), "n1": n1, "n2": n2, "repeats": repeats,
            "engine": res.engine, "refreshes": int(res.refreshes), "times_s": times,
            "per_update_s": per_update, "first_update_s": {"gradsolve": first_gs,
@@ -188,6 +190,22 @@ def outputs(args):
     return out
 
 
+def refresh(args):
+    """Refresh policies on the example, each from the same network: the wall time of
+    `steps` updates (compiles included: a refresh that widens the mesh compiles the
+    update again) and the full-data loss after them."""
+    steps = 60 if args.quick else 300
+    ts, data, y0, mlp = setup()
+    runs = {}
+    for every in (None, 10, 25, 50, 100):
+        cal, theta0 = calibrator(ts, data, y0, mlp, refresh_every=every)
+        dt, res = timed_fit(cal, theta0, steps)
+        runs[str(every)] = {"wall_s": dt, "refreshes": int(res.refreshes),
+                            "full_loss": full_loss(res.best().theta["mlp"], y0, ts, data)}
+        log(f"  refresh_every={every}: {dt:.1f} s, full loss {runs[str(every)]['full_loss']:.4g}")
+    return {"steps": steps, "full_loss_start": full_loss(mlp, y0, ts, data), "runs": runs}
+
+
 SPIRAL_A = jnp.array([[-0.1, 2.0], [-2.0, -0.1]])
 
 
@@ -228,7 +246,7 @@ def spiral(args):
 
 
 SECTIONS = {"training": training, "training_float32": training_float32, "outputs": outputs,
-            "spiral": spiral}
+            "refresh": refresh, "spiral": spiral}
 
 
 def render(sections):
@@ -254,6 +272,14 @@ def render(sections):
                                  ["outputs", "gradient ms", "/ no outputs"],
                                  [[k, f"{1e3 * v:.2f}", fmt(v / g["no outputs"])]
                                   for k, v in g.items()]))
+    if "refresh" in sections:
+        r = sections["refresh"]
+        blocks["refresh"] = (f"{r['steps']} updates from the same network (full-data loss "
+                             f"{r['full_loss_start']:.4f} at the start).\n\n" + md_table(
+                                 ["refresh_every", "wall s (compiles included)", "refreshes",
+                                  "full-data loss after"],
+                                 [[k, f"{x['wall_s']:.2f}", x["refreshes"],
+                                   f"{x['full_loss']:.4f}"] for k, x in r["runs"].items()]))
     if "spiral" in sections:
         r = sections["spiral"]
         blocks["spiral"] = md_table(

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from scipy.integrate import solve_ivp
 
 import gradsolve as gs
@@ -26,6 +27,7 @@ def _scipy_states(f, y0, ts, t_span):
 
 import galactic_halo  # noqa: E402
 import multistart  # noqa: E402
+import neural_ode  # noqa: E402
 import neural_robertson  # noqa: E402
 import neural_spiral  # noqa: E402
 import robertson_rates  # noqa: E402
@@ -106,6 +108,40 @@ def test_neural_spiral_training_lowers_the_loss():
                                  np.asarray(neural_spiral.TS), prob.t_span) for y0 in prob.y0])
     first = float(np.mean((ys - np.asarray(data[0])) ** 2))
     assert abs(res.history[0, 0] - first) / first < 1e-5
+
+
+def test_neural_ode_one_fit_over_the_shared_network_is_the_b1_fit_written_out():
+    # recipes/neural_ode.py's stage at a small size (8 series, their first 10 times,
+    # minibatches of 4, a refresh every 3 updates): the Calibrator's one fit over the
+    # problem's gs.Shared network (no theta0, no fit axis on the data) runs the same
+    # program as the B = 1 fit written out (theta0 and data with a leading 1, to_params
+    # wrapping the network), so histories and networks are equal bit for bit. The data
+    # are the true field's solution as SciPy integrates it (DOP853, rtol 1e-10 against
+    # the recipe's 1e-8: measured 8.5e-9 largest difference; bound 1e-7).
+    prob, loss, ts, data = neural_ode.build(series=8)
+    want = np.stack([_scipy_states(lambda t, y: neural_ode.true_field(t, y, None), y0,
+                                   np.asarray(ts), prob.t_span) for y0 in prob.y0])
+    assert np.max(np.abs(np.asarray(data) - want)) < 1e-7
+    short = prob.replace(t_span=(0.0, float(ts[9])))
+    kw = dict(ts=ts[:10], interpolate=True, rtol=neural_ode.RTOL, atol=neural_ode.ATOL,
+              batch_size=4, optimizer=optax.adam(neural_ode.LR), refresh_every=3)
+    one = gs.Calibrator(short, loss, data=data[:, :10], **kw)
+    assert one.one_fit
+    res = one.fit(steps=6, progress=False)
+    theta0 = {"mlp": jax.tree.map(lambda x: x[None] if eqx.is_array(x) else x,
+                                  short.params["mlp"].value)}
+    written = gs.Calibrator(short, loss, to_params=lambda th: {"mlp": gs.Shared(th["mlp"])},
+                            data=data[None, :, :10], **kw).fit(theta0, steps=6, progress=False)
+    assert res.refreshes == written.refreshes == 1 and res.history.shape == (6, 1)  # at 3
+    np.testing.assert_array_equal(res.history, written.history)
+    for a, b in zip(jax.tree.leaves(res.best().theta), jax.tree.leaves(written.best().theta)):
+        np.testing.assert_array_equal(a, b)
+    # theta0 with a fit axis, or without one where fits need it, is refused by name.
+    with pytest.raises(ValueError, match="without a fit axis"):
+        one.fit(theta0, steps=1, progress=False)
+    with pytest.raises(ValueError, match="theta0 is required"):
+        gs.Calibrator(short, loss, to_params=lambda th: {"mlp": gs.Shared(th["mlp"])},
+                      data=data[None, :, :10], **kw).fit(steps=1, progress=False)
 
 
 def test_multistart_recipe_runs_end_to_end_through_a_start_queue(tmp_path, capsys):

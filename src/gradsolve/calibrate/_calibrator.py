@@ -41,7 +41,7 @@ from ..config import DEFAULT_MAX_STEPS
 from ..record import record_rows
 from ..engines import recorder_of, with_recorder
 from ..mesh import Mesh, padded_width
-from ..problem import Shared, _is_shared, as_problem, trajectory_params
+from ..problem import Shared, _is_shared, as_problem, trajectory_params, unwrap_shared
 from ..router import plan
 from ..status import Status
 from . import _result, _transforms
@@ -133,11 +133,14 @@ class Calibrator:
             None)`. A loss returning anything but one real number per fit is refused
             when `fit` starts (traced abstractly), with the shape it returned.
         to_params: `theta_b -> per-trajectory params of fit b's K trajectories` (leaves
-            leading with K). Default: `theta_b` broadcast to K.
+            leading with K). Default: `theta_b` broadcast to K -- or, when every
+            parameter of the problem is in a `gs.Shared` (a neural ODE's network), one
+            fit of those: see "One fit" below.
         to_y0: `theta_b -> (K, d)` initial states of fit b's trajectories, when they
             are estimated too (the gradient flows through y0 as through the
             parameters). Default: the problem's y0.
-        data: a pytree whose leaves lead with B (observations per fit), or None. Its
+        data: a pytree whose leaves lead with B (observations per fit; for one fit
+            over shared parameters, that fit's, without B), or None. Its
             values must be finite: a NaN or inf is refused here, naming the leaf and
             its first index. Missing measurements: fill them with any finite value and
             weight them out in the loss with a mask leaf of `data`.
@@ -182,6 +185,14 @@ class Calibrator:
             fits' own state is replicated), grouped by recorded step count, in chunks
             under the budget. Results do not depend on them.
 
+    One fit: when the problem's params are all `gs.Shared` and there is no
+    `to_params`, the Calibrator fits those shared values, once, over all n
+    trajectories -- a neural ODE's network, a model's global constants. Nothing then
+    carries a fit axis: `theta0` is shaped as the shared values and defaults to them
+    (the network the problem was built with), `data` is the one fit's (with
+    `batch_size`, leaves leading with n), and `result.best().theta` is the fitted
+    value (`result.theta` keeps B = 1 as every result).
+
     Examples:
         >>> import jax.numpy as jnp, optax, gradsolve as gs
         >>> B, K = 2, 2
@@ -196,6 +207,18 @@ class Calibrator:
         >>> one_at_a_time = cal.fit(jnp.ones(B), steps=300, tol=1e-12, progress=False, slots=1)
         >>> bool(jnp.allclose(one_at_a_time.theta, res.theta, rtol=1e-12, atol=0))
         True
+
+        One fit of a rate shared by three trajectories, from the problem's own value:
+
+        >>> ts = jnp.array([0.5, 1.0])
+        >>> shared = gs.EnsembleProblem(f_jax=lambda t, y, k: -k * y,
+        ...                             y0=jnp.array([[1.0], [2.0], [3.0]]),
+        ...                             params=gs.Shared(jnp.array(1.0)), t_span=(0.0, 1.0))
+        >>> obs = shared.y0[:, None, :] * jnp.exp(-0.7 * ts)[None, :, None]  # (n, len(ts), d)
+        >>> cal = gs.Calibrator(shared, lambda ys, k, d: jnp.sum((ys - d) ** 2), data=obs,
+        ...                     ts=ts, optimizer=optax.adam(0.05))
+        >>> round(float(cal.fit(steps=300, progress=False).best().theta), 3)
+        0.7
     """
 
     def __init__(self, prob, loss, to_params=None, data=None, optimizer=None, *,
@@ -216,6 +239,14 @@ class Calibrator:
                 and callable(getattr(optimizer, "update", None))):
             raise TypeError("optimizer must be an optax.GradientTransformation")
         _check_data(data)
+        # One fit over the problem's shared parameters (a neural ODE's network): its
+        # theta is the problem's params without the gs.Shared wrappers, and neither
+        # theta0 nor data carries a fit axis (B = 1 inside).
+        self.one_fit = to_params is None and _all_shared(self.problem.params)
+        if self.one_fit:
+            to_params = _resharing(self.problem.params)
+            data = None if data is None else jax.tree.map(
+                lambda x: x[None] if eqx.is_array(x) or isinstance(x, np.ndarray) else x, data)
         for name, v in (("refresh_every", refresh_every), ("drift_every", drift_every),
                         ("batch_size", batch_size)):
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -436,7 +467,7 @@ class Calibrator:
 
     # -- the loop -------------------------------------------------------------------
 
-    def fit(self, theta0, steps=400, tol=None, grad_tol=None, progress=True, key=None,
+    def fit(self, theta0=None, steps=400, tol=None, grad_tol=None, progress=True, key=None,
             resume=True, slots=None):
         """Run the fits for up to `steps` updates each.
 
@@ -453,7 +484,9 @@ class Calibrator:
         uninterrupted run.
 
         Args:
-            theta0: initial parameters (constrained space), leaves leading with B.
+            theta0: initial parameters (constrained space), leaves leading with B. One
+                fit over shared parameters (see the class): shaped as their values,
+                without B; None starts from the problem's own.
             steps: the step cap per fit (and the length of `result.history`).
             tol: a fit converges when its loss is <= tol.
             grad_tol: ... or when its gradient norm (unconstrained space) is <= this.
@@ -489,6 +522,7 @@ class Calibrator:
             >>> more.resumed_from, more.updates, more.history.shape
             (20, 30, (30, 2))
         """
+        theta0 = self._with_fit_axis(theta0)
         S, K = self._check_theta(theta0, steps)
         B = _check_slots(slots, S)
         tol, grad_tol = _check_tol("tol", tol), _check_tol("grad_tol", grad_tol)
@@ -663,6 +697,7 @@ class Calibrator:
             lambda p, x: p == fixed, eqx.filter(best.theta, eqx.is_inexact_array))
         jobs = copy.copy(self)
         jobs.problem, jobs.data, jobs.checkpoint_dir, jobs.checkpoint_every = prob, data, None, None
+        jobs.one_fit = False  # theta0 below leads with the grid points
         # Zero updates for the fixed leaf: it stays at its grid value exactly.
         jobs.optimizer = optax.chain(self.optimizer, optax.masked(optax.set_to_zero(), hold))
         jobs._ys = self._engine.ys_function(prob, self.config, "reverse")
@@ -728,6 +763,32 @@ class Calibrator:
             self._arrangements = (key, arr)
         return arr
 
+    def _with_fit_axis(self, theta0):
+        """`theta0` as `fit` works on it: leaves leading with B. A one-fit Calibrator's
+        (the class's "One fit") gets B = 1, from the problem's shared values when None."""
+        if not self.one_fit:
+            if theta0 is None:
+                raise ValueError(
+                    "theta0 is required: a pytree whose array leaves lead with the number "
+                    "of fits B (it defaults to the problem's own values only for one fit "
+                    "over a problem whose params are all gs.Shared, without to_params)")
+            return theta0
+        values = unwrap_shared(self.problem.params)
+        if theta0 is None:
+            theta0 = values
+
+        def shapes(tree):
+            return {jax.tree_util.keystr(p): list(np.shape(x))
+                    for p, x in jax.tree_util.tree_leaves_with_path(tree)
+                    if eqx.is_array(x) or isinstance(x, np.ndarray)}
+        if shapes(theta0) != shapes(values):
+            raise ValueError(
+                "theta0 of one fit over the problem's gs.Shared parameters must be shaped "
+                "as their values, without a fit axis (or None: start from them); expected "
+                f"{shapes(values)}, got {shapes(theta0)}")
+        return jax.tree.map(lambda x: jnp.asarray(x)[None] if eqx.is_array(x)
+                            or isinstance(x, np.ndarray) else x, theta0)
+
     def _check_theta(self, theta0, steps):
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
             raise ValueError(f"steps must be a positive integer, got {steps!r}")
@@ -766,6 +827,11 @@ class Calibrator:
                 raise ValueError(f"batch_size={self.batch_size} is more than a fit's "
                                  f"K={n // B} trajectories")
             for path, x in jax.tree_util.tree_leaves_with_path(self.data):
+                if np.shape(x)[:2] != (B, n // B) and self.one_fit:
+                    raise ValueError(
+                        f"with batch_size, data{jax.tree_util.keystr(path)} must lead with "
+                        f"the fit's n={n} trajectories (a minibatch takes the data of its "
+                        f"drawn trajectories), got shape {np.shape(x)[1:]}")
                 if np.shape(x)[:2] != (B, n // B):
                     raise ValueError(
                         f"with batch_size, data{jax.tree_util.keystr(path)} must lead with "
@@ -1056,6 +1122,22 @@ def _continued(state: FitState, steps: int) -> FitState:
     # device_put, not jnp.asarray: the latter compiles a copy per shape in this JAX.
     return jax.device_put(state)._replace(history=grown(state.history),
                                           drift=grown(state.drift))
+
+
+def _all_shared(params) -> bool:
+    """Whether every parameter is in a `gs.Shared` (and there is one)."""
+    nodes = jax.tree.leaves(params, is_leaf=_is_shared)
+    return bool(nodes) and all(_is_shared(x) for x in nodes)
+
+
+def _resharing(params):
+    """`to_params` of one fit over `params`' shared values: the values back in their
+    `gs.Shared` wrappers (the structure only: no array of `params` is captured)."""
+    treedef = jax.tree.structure(params, is_leaf=_is_shared)
+
+    def to_params(theta_b):
+        return jax.tree.unflatten(treedef, [Shared(v) for v in treedef.flatten_up_to(theta_b)])
+    return to_params
 
 
 def _strong(tree):
