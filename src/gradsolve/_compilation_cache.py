@@ -2,7 +2,7 @@
 
 A fit compiles its update once per process. With the cache, a second run of the same
 script in a new process compiles little: on the galactic-halo recipe (B = 8, K = 4) the
-first `fit(steps=1)` took 4.30 s in a fresh process and 1.61 s in the next one
+first `fit(steps=1)` took 8.5 s in a fresh process and 3.0 s in the next one
 (benchmarks/results/fit_vs_diffrax.json, section "compile"; docs/benchmarks.md,
 "Compile times").
 
