@@ -16,6 +16,7 @@ prints each stage's loss and time and plots a series against the trained model's
 
 import _common
 
+import pathlib  # noqa: E402
 import time  # noqa: E402
 
 import equinox as eqx  # noqa: E402
@@ -102,7 +103,6 @@ def main():
         prob = prob.replace(params={"mlp": gs.Shared(mlp)})  # the next stage starts here
     full = gs.solve(prob, ts=ts, rtol=RTOL, atol=ATOL).ys
     print(f"loss on all {prob.n} series at every time: {float(jnp.mean((full - data) ** 2)):.4g}")
-    import pathlib
     path = args.plot or "recipes/out/neural_ode.png"
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     plot(prob, mlp, ts, data, path)

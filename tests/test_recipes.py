@@ -139,6 +139,8 @@ def test_neural_ode_one_fit_over_the_shared_network_is_the_b1_fit_written_out():
     # theta0 with a fit axis, or without one where fits need it, is refused by name.
     with pytest.raises(ValueError, match="without a fit axis"):
         one.fit(theta0, steps=1, progress=False)
+    with pytest.raises(ValueError, match="must lead with the fit's n=8 trajectories"):
+        gs.Calibrator(short, loss, data=data[:4, :10], **kw).fit(steps=1, progress=False)
     with pytest.raises(ValueError, match="theta0 is required"):
         gs.Calibrator(short, loss, to_params=lambda th: {"mlp": gs.Shared(th["mlp"])},
                       data=data[None, :, :10], **kw).fit(steps=1, progress=False)

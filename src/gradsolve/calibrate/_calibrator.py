@@ -827,16 +827,14 @@ class Calibrator:
                 raise ValueError(f"batch_size={self.batch_size} is more than a fit's "
                                  f"K={n // B} trajectories")
             for path, x in jax.tree_util.tree_leaves_with_path(self.data):
-                if np.shape(x)[:2] != (B, n // B) and self.one_fit:
+                if np.shape(x)[:2] != (B, n // B):  # one fit: data given without its B
+                    want, shape = ((f"the fit's n={n} trajectories", np.shape(x)[1:])
+                                   if self.one_fit else
+                                   (f"(B, K) = ({B}, {n // B})", np.shape(x)))
                     raise ValueError(
                         f"with batch_size, data{jax.tree_util.keystr(path)} must lead with "
-                        f"the fit's n={n} trajectories (a minibatch takes the data of its "
-                        f"drawn trajectories), got shape {np.shape(x)[1:]}")
-                if np.shape(x)[:2] != (B, n // B):
-                    raise ValueError(
-                        f"with batch_size, data{jax.tree_util.keystr(path)} must lead with "
-                        f"(B, K) = ({B}, {n // B}) (a minibatch takes each fit's data of "
-                        f"its drawn trajectories), got shape {np.shape(x)}")
+                        f"{want} (a minibatch takes each fit's data of its drawn "
+                        f"trajectories), got shape {shape}")
         self._check_to_params(theta0, n // B)
         self._check_to_y0(theta0, n // B)
         self._check_loss(theta0, n // B)
