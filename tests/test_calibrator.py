@@ -175,7 +175,8 @@ def test_transforms_keep_parameters_in_range():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(optimizer="adam"), "optax.GradientTransformation"),
-    (dict(refresh_every=0), "refresh_every must be None or a positive integer"),
+    (dict(refresh_every=0), 'refresh_every must be None or "auto" or a positive integer'),
+    (dict(refresh_every="sometimes"), 'refresh_every must be None or "auto" or a positive'),
     (dict(checkpoint_every=5), "checkpoint_every needs checkpoint_dir"),
     (dict(drift_every=5), "drift_every and drift_tol go together"),
     (dict(recorder="warp"), "recorder must be None, 'general' or 'fused'"),
@@ -470,6 +471,23 @@ def _neural_problem(n):
     y0 = jnp.stack([jnp.linspace(-1.0, 1.0, n), jnp.linspace(1.0, 0.5, n)], axis=1)
     return gs.EnsembleProblem(f_jax=f, y0=y0, params=params, t_span=(0.0, 1.0),
                               name="neural")
+
+
+def test_one_fit_over_shared_parameters_refreshes_every_50_updates_by_default():
+    # The default "auto": a network trained on the mesh recorded for its initial
+    # weights stops improving (docs/calibrator.md, section 4), so the form without a
+    # fit axis refreshes every AUTO_REFRESH_EVERY updates; a batched fit, the same fit
+    # written out as B = 1 with to_params among them, keeps never; explicit values stay.
+    from gradsolve.calibrate._calibrator import AUTO_REFRESH_EVERY
+    prob, loss = _neural_problem(3), lambda ys, mlp, d: jnp.mean((ys - d) ** 2)  # noqa: E731
+    data = jnp.full((3, 2), 0.3)
+    one = gs.Calibrator(prob, loss, data=data)
+    assert one.one_fit and one.refresh_every == AUTO_REFRESH_EVERY == 50
+    written_out = gs.Calibrator(prob, loss, data=data[None],
+                                to_params=lambda mlp: {"mlp": gs.Shared(mlp)})
+    assert not written_out.one_fit and written_out.refresh_every is None
+    assert gs.Calibrator(prob, loss, data=data, refresh_every=None).refresh_every is None
+    assert gs.Calibrator(prob, loss, data=data, refresh_every=7).refresh_every == 7
 
 
 @pytest.mark.parametrize("activation,B", [(jax.nn.softplus, 1), (jax.nn.relu, 2)])
