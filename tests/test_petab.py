@@ -192,6 +192,86 @@ def test_bad_theta_and_tables_are_refused_by_name(tmp_path):
         gs.petab.load(_variant(tmp_path, "0002", edit))
 
 
+def test_objective_priors_enter_the_calibrators_loss_not_the_llh(tmp_path):
+    """PEtab's objective priors (Bachmann and Isensee of the benchmark collection have
+    parameterScaleNormal ones; they were ignored without a word): read from the
+    parameter table, each of the eight types' log-density equals the petab library's
+    own `Prior` (untruncated: the bounds' normalisation is a constant; -inf outside a
+    uniform's interval) to 1e-12 (measured 1.8e-16 relative: the same closed forms,
+    rounded differently); the Calibrator's loss is the negative
+    log-likelihood minus the log-prior, while `llh` stays the likelihood."""
+    from petab.v1.priors import Prior
+
+    def edit(folder):
+        par = pd.read_csv(folder / "_parameters.tsv", sep="\t")
+        par["parameterScale"] = ["lin", "lin", "log10", "log"]
+        par["lowerBound"] = [0.0, 0.0, 1e-3, 1e-3]
+        par["objectivePriorType"] = ["normal", "", "parameterScaleNormal", "logLaplace"]
+        par["objectivePriorParameters"] = ["1;0.5", "", "-0.1;0.3", "-0.5;0.4"]
+        par.to_csv(folder / "_parameters.tsv", sep="\t", index=False)
+    prob = gs.petab.load(_variant(tmp_path, "0001", edit))
+    assert prob.priors == {"a0": ("normal", 1.0, 0.5), "k1": ("parameterScaleNormal", -0.1, 0.3),
+                           "k2": ("logLaplace", -0.5, 0.4)}
+    theta = {"a0": 1.3, "b0": 0.2, "k1": 0.7, "k2": 0.45}
+    ys = prob._solve(prob._theta(theta))[0]
+    loss = float(prob.loss(ys, prob._theta(theta), prob.data))
+    assert loss == pytest.approx(-prob.llh(theta) - prob.log_prior(theta), rel=1e-12)
+    assert prob.calibrator(2).loss == prob.loss
+    scaled = {"lin": lambda x: x, "log": np.log, "log10": np.log10}
+    jacobian = {"lin": lambda x: 1.0, "log": lambda x: x, "log10": lambda x: x * np.log(10)}
+    for kind, a, b in [("uniform", 0.5, 2.0), ("normal", 1.0, 0.5), ("laplace", 0.9, 0.3),
+                       ("logNormal", -0.2, 0.5), ("logLaplace", 0.1, 0.7),
+                       ("parameterScaleUniform", -1.0, 1.0),
+                       ("parameterScaleNormal", -0.1, 0.3),
+                       ("parameterScaleLaplace", 0.2, 0.5)]:
+        for pid in ("a0", "k1", "k2"):  # lin, log10, log
+            prob.priors = {pid: (kind, a, b)}
+            pscale = prob.scales[pid]
+            ref = Prior(kind, (a, b), transformation=pscale)
+            x = theta[pid]
+            if kind.startswith("parameterScale"):  # the density of the scaled value
+                with np.errstate(divide="ignore"):  # -inf outside a uniform's interval
+                    want = np.log(ref.pdf(scaled[pscale](x), x_scaled=True, rescale=True))
+                assert ref.pdf(scaled[pscale](x), x_scaled=True, rescale=True) == \
+                    pytest.approx(ref.pdf(x) * jacobian[pscale](x), rel=1e-12)
+            else:
+                with np.errstate(divide="ignore"):
+                    want = np.log(ref.pdf(x))
+            assert prob.log_prior(theta) == pytest.approx(want, rel=1e-12, abs=1e-12), \
+                (kind, pid)
+
+
+@pytest.mark.parametrize("kind,values,message", [
+    ("gamma", "1;2", "parameter 'a0': objectivePriorType must be one of"),
+    ("normal", "1", "parameter 'a0': objectivePriorParameters of a normal prior must be "
+                    "two numbers"),
+    ("laplace", "1;0", "must be a location and a scale > 0, got '1;0'"),
+    ("uniform", "2;1", "must be lower < upper, got '2;1'"),
+])
+def test_bad_priors_are_refused_by_name(tmp_path, kind, values, message):
+    def change(folder):
+        par = pd.read_csv(folder / "_parameters.tsv", sep="\t")
+        par["objectivePriorType"] = [kind, "", "", ""]
+        par["objectivePriorParameters"] = [values, "", "", ""]
+        par.to_csv(folder / "_parameters.tsv", sep="\t", index=False)
+    with pytest.raises(gs.petab.PetabError, match=re.escape(message)):
+        gs.petab.load(_variant(tmp_path, "0001", change))
+
+
+def test_max_steps_is_set_at_load_and_named_when_reached():
+    """Lang_PLOSComputBiol2024 needs ~7200 steps at nominal, over the fixed 4096 that
+    load had: the cap is load's `max_steps`, and a record that reaches it says so."""
+    prob = gs.petab.load(gs.petab.test_case("0001"), max_steps=2)
+    assert prob.max_steps == 2
+    with pytest.raises(gs.petab.PetabError, match=re.escape(
+            "(max_steps=2; gs.petab.load(..., max_steps=) raises the cap)")):
+        prob.llh()
+    with pytest.raises(ValueError, match="max_steps must be a positive integer, got 0"):
+        gs.petab.load(gs.petab.test_case("0001"), max_steps=0)
+    with pytest.raises(ValueError, match="max_steps is the PEtab problem's own"):
+        prob.calibrator(2, max_steps=10)
+
+
 def test_multistart_calibration_recovers_the_nominal_llh():
     """Eight Sobol starts inside the parameter table's bounds, fitting case 0002's
     model to its own simulations at the nominal parameters: the maximum likelihood is

@@ -13,6 +13,8 @@ import os
 
 import jax
 
+from ..config import DEFAULT_MAX_STEPS
+
 EXTRA = ("petab", "libsbml", "sbmlmath", "sympy")
 _LAZY = ("PetabProblem", "PetabError", "UnsupportedSBML", "Model")
 
@@ -25,12 +27,15 @@ def _require():
             f"pip install \"gradsolve[petab]\"")
 
 
-def load(path, *, rtol=1e-8, atol=1e-10, stiff=True, fused=None, name=None):
+def load(path, *, rtol=1e-8, atol=1e-10, max_steps=DEFAULT_MAX_STEPS, stiff=True, fused=None,
+         name=None):
     """Read a PEtab v1 problem (its YAML file) into a `gs.petab.PetabProblem`.
 
     Args:
         path: the problem's YAML file (tables and model are found relative to it).
         rtol, atol: tolerances of every simulation, record and fit of the problem.
+        max_steps: the cap on attempted steps per trajectory of every record and fit
+            (a model that needs more fails naming it; raise it here).
         stiff: integrate with the stiff default method (systems-biology models are
             often stiff); False: Tsit5.
         fused: passed to `gs.solve` (None: the router; the generated right-hand side
@@ -63,6 +68,8 @@ def load(path, *, rtol=1e-8, atol=1e-10, stiff=True, fused=None, name=None):
     from ._problem import PetabProblem, _check_model  # (needs sympy: the petab extra)
     from ._sbml import from_sbml  # (needs sympy: the petab extra)
 
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
     if not jax.config.jax_enable_x64:
         raise ValueError("gs.petab.load needs float64: call "
                          "jax.config.update('jax_enable_x64', True) first")
@@ -75,8 +82,8 @@ def load(path, *, rtol=1e-8, atol=1e-10, stiff=True, fused=None, name=None):
     model = from_sbml(problem.model.sbml_model)
     _check_model(model)
     name = name or os.path.splitext(os.path.basename(path))[0]
-    return PetabProblem(problem, model, rtol=rtol, atol=atol, stiff=stiff, fused=fused,
-                        name=name)
+    return PetabProblem(problem, model, rtol=rtol, atol=atol, max_steps=max_steps,
+                        stiff=stiff, fused=fused, name=name)
 
 
 def test_case(case: str, version: str = "v1.0.0", fmt: str = "sbml") -> str:

@@ -29,11 +29,17 @@ from ..calibrate import Calibrator, multistart, transforms as _transforms
 from ..problem import EnsembleProblem
 from ..record import record
 from ..replay import replay
-from ..status import summarize
+from ..status import Status, summarize
 from ._sbml import TIME, Model, UnsupportedSBML, canonical, from_sbml, symbol
 from ._steady import conservation_laws, steady_state
 
 SCALES = ("lin", "log", "log10")
+# PEtab v1's objective priors: the density of the parameter in linear units
+# (uniform, normal, laplace), of its natural log with the Jacobian to linear units
+# (logNormal, logLaplace: densities of the parameter), or of its value on its
+# parameterScale (parameterScale*: densities of the scaled value, no Jacobian).
+PRIORS = ("uniform", "normal", "laplace", "logNormal", "logLaplace",
+          "parameterScaleUniform", "parameterScaleNormal", "parameterScaleLaplace")
 TRANSFORMATIONS = ("lin", "log", "log10")
 DISTRIBUTIONS = ("normal", "laplace")
 MIN_COLUMNS = 64  # the narrowest mesh `PetabProblem.record` returns
@@ -95,12 +101,19 @@ class PetabProblem:
         measurements: the measurement table (a pandas DataFrame).
         model: the SBML model's ODE (`gs.petab.Model`).
         rtol, atol: the tolerances every simulation, record and fit uses.
+        max_steps: the cap on attempted steps per trajectory of every record and fit.
+        priors: per estimated parameter with an objective prior in the parameter
+            table, `(objectivePriorType, first, second parameter)`: `loss` (the
+            Calibrator's objective) is then the negative log-posterior, `llh` and
+            `llh_and_grad` stay the likelihood (docs/petab.md, "Priors").
     """
 
-    def __init__(self, petab_problem, model: Model, *, rtol, atol, stiff, fused, name):
+    def __init__(self, petab_problem, model: Model, *, rtol, atol, max_steps, stiff, fused,
+                 name):
         self.petab_problem = petab_problem
         self.model = model
         self.rtol, self.atol, self.fused = float(rtol), float(atol), fused
+        self.max_steps = int(max_steps)
         self.measurements = petab_problem.measurement_df.reset_index(drop=True)
         self._parameters(petab_problem.parameter_df)
         self._trajectories()
@@ -124,7 +137,7 @@ class PetabProblem:
                        "estimate"):
             if column not in df.columns:
                 raise PetabError(f"the parameter table has no {column!r} column")
-        self._table = {}
+        self._table, priors = {}, {}
         ids, scales, lower, upper, nominal = [], [], [], [], []
         for pid, row in df.iterrows():
             value = float(row["nominalValue"])
@@ -142,6 +155,9 @@ class PetabProblem:
             if scale != "lin" and lo <= 0:
                 raise PetabError(f"parameter {pid!r}: a {scale} scale needs lowerBound > 0, "
                                  f"got {lo}")
+            prior = _prior(pid, row)
+            if prior is not None:
+                priors[str(pid)] = prior
             ids.append(str(pid))
             scales.append(scale)
             lower.append(lo)
@@ -151,6 +167,7 @@ class PetabProblem:
         self.scales = dict(zip(ids, scales))
         self.lower, self.upper = dict(zip(ids, lower)), dict(zip(ids, upper))
         self.nominal = dict(zip(ids, nominal))
+        self.priors = priors
         kind = {"lin": _transforms.Bounded, "log": _transforms.Log,
                 "log10": _transforms.Log10}
         self.transforms = {i: kind[s](lo, hi) for i, s, lo, hi in
@@ -494,9 +511,41 @@ class PetabProblem:
         return nllh, chi2
 
     def loss(self, ys, theta, data):
-        """The negative log-likelihood of `data["measurement"]` (the Calibrator's
-        loss: `ys` `(K, len(ts), d)`, theta one fit's parameters)."""
+        """The Calibrator's objective for one fit (`ys` `(K, len(ts), d)`, theta its
+        parameters): the negative log-likelihood of `data["measurement"]`, minus the
+        log-prior where the parameter table has objective priors (the negative
+        log-posterior)."""
+        return self._neg_llh(ys, theta, data) - self._log_prior(theta)
+
+    def _neg_llh(self, ys, theta, data):
         return jnp.sum(self._terms(ys, theta, data["measurement"])[0])
+
+    def _log_prior(self, theta):
+        """The sum of the objective priors' log-densities at theta (0 without
+        priors), traceable; see `PRIORS`."""
+        total = jnp.zeros((), jnp.result_type(float))
+        for pid, (kind, a, b) in self.priors.items():
+            x = jnp.asarray(theta[pid], total.dtype)
+            if kind.startswith("parameterScale"):
+                z, jac = {"lin": x, "log": jnp.log(x), "log10": jnp.log10(x)}[
+                    self.scales[pid]], 0.0
+            elif kind.startswith("log"):
+                z, jac = jnp.log(x), jnp.log(x)
+            else:
+                z, jac = x, 0.0
+            if kind.endswith(("uniform", "Uniform")):
+                density = jnp.where((z >= a) & (z <= b), -np.log(b - a), -jnp.inf)
+            elif kind.endswith(("normal", "Normal")):
+                density = -0.5 * ((z - a) / b) ** 2 - np.log(b) - 0.5 * np.log(2 * np.pi)
+            else:  # laplace
+                density = -jnp.abs(z - a) / b - np.log(2 * b)
+            total = total + density - jac
+        return total
+
+    def log_prior(self, theta=None) -> float:
+        """The log-prior at theta (default: nominal): the sum over the parameter
+        table's objective priors (0.0 where it has none); see `priors`."""
+        return float(self._log_prior(self._theta(theta)))
 
     @property
     def data(self) -> dict:
@@ -556,10 +605,13 @@ class PetabProblem:
         params, y0 = self._start(self._theta(theta))
         recorder = {None: None, True: "fused", False: "general"}[self.fused]
         mesh = record(self.problem.replace(params=params, y0=y0), rtol=self.rtol,
-                      atol=self.atol, recorder=recorder)
+                      atol=self.atol, max_steps=self.max_steps, recorder=recorder)
         if not mesh.ok:
+            capped = bool(np.any(np.asarray(mesh.status) == Status.MAX_STEPS))
             raise PetabError("a trajectory failed to record at theta: "
-                             + summarize(mesh.status))
+                             + summarize(mesh.status)
+                             + (f" (max_steps={self.max_steps}; gs.petab.load(..., "
+                                "max_steps=) raises the cap)" if capped else ""))
         self.engine = f"{mesh.recorder} record, JAX replay"
         # On `Mesh.widened`'s few widths, at least MIN_COLUMNS, so that nearby thetas
         # (and small problems of one model) replay with one compiled function; the
@@ -600,7 +652,7 @@ class PetabProblem:
 
     @eqx.filter_jit
     def _nllh(self, ys, theta):
-        return self.loss(ys, theta, self.data)
+        return self._neg_llh(ys, theta, self.data)
 
     @eqx.filter_jit
     def _chi2(self, ys, theta):
@@ -613,7 +665,7 @@ class PetabProblem:
     @eqx.filter_jit
     def _loss_grads(self, ys, theta):
         value, (ct, direct) = jax.value_and_grad(
-            lambda ys, th: self.loss(ys, th, self.data), argnums=(0, 1))(ys, theta)
+            lambda ys, th: self._neg_llh(ys, th, self.data), argnums=(0, 1))(ys, theta)
         return value, (ct, direct)
 
     def with_measurements(self, values) -> "PetabProblem":
@@ -651,10 +703,11 @@ class PetabProblem:
         if not isinstance(starts, int) or starts < 1:
             raise ValueError(f"starts must be a positive integer, got {starts!r}")
         self._refuse_moving_switches("calibrator")
-        for fixed in ("rtol", "atol", "ts", "to_params", "to_y0", "data", "transform"):
+        for fixed in ("rtol", "atol", "max_steps", "ts", "to_params", "to_y0", "data",
+                      "transform"):
             if fixed in settings:
-                raise ValueError(f"{fixed} is the PEtab problem's own; set rtol/atol in "
-                                 "gs.petab.load")
+                raise ValueError(f"{fixed} is the PEtab problem's own; set rtol/atol/"
+                                 "max_steps in gs.petab.load")
         prob = self.problem.replace(
             y0=jnp.tile(self.problem.y0, (starts, 1)),
             params=jnp.tile(self.problem.params, (starts, 1)))
@@ -662,7 +715,7 @@ class PetabProblem:
         return Calibrator(
             prob, self.loss, to_params=self.to_params, data=data, optimizer=optimizer,
             to_y0=self.to_y0, transform=dict(self.transforms), rtol=self.rtol,
-            atol=self.atol, ts=self.ts, **settings)
+            atol=self.atol, max_steps=self.max_steps, ts=self.ts, **settings)
 
     def summary(self, res) -> str:
         """The PEtab summary of a multistart result: the best start's log-likelihood
@@ -675,6 +728,10 @@ class PetabProblem:
         lines = [f"{len(res.loss)} starts, engine {res.engine}; best start {best.index}: "
                  f"llh {llh:.6f}, chi2 {chi2:.6f}; {ok} starts within 1e-3 of it",
                  f"nominal parameters: llh {self.llh():.6f}, chi2 {self.chi2():.6f}",
+                 *([f"objective priors on {len(self.priors)} parameters: log-prior "
+                    f"{self.log_prior(theta):.6f} at the best start, "
+                    f"{self.log_prior():.6f} at the nominal values (the loss is "
+                    f"-llh - log-prior)"] if self.priors else []),
                  f"{'parameter':>14} {'scale':>6} {'lower':>9} {'upper':>9} "
                  f"{'nominal':>11} {'best':>11}"]
         for k in self.parameter_ids:
@@ -716,6 +773,31 @@ class _Field(eqx.Module):
 
     def autonomous(self, x, p):
         return self.fn(jnp.zeros((), x.dtype), x, p)
+
+
+def _prior(pid, row):
+    """`(type, first, second)` of a parameter's objective prior, or None without one
+    (PEtab's default, parameterScaleUniform over the bounds, is flat there)."""
+    kind = row.get("objectivePriorType")
+    if _empty(kind):
+        return None
+    kind = str(kind).strip()
+    if kind not in PRIORS:
+        raise PetabError(f"parameter {pid!r}: objectivePriorType must be one of {PRIORS}, "
+                         f"got {kind!r}")
+    text = row.get("objectivePriorParameters")
+    try:
+        a, b = (float(v) for v in str(text).split(";"))
+    except ValueError:
+        raise PetabError(f"parameter {pid!r}: objectivePriorParameters of a {kind} prior "
+                         f"must be two numbers separated by ';', got {text!r}") from None
+    if not (np.isfinite(a) and np.isfinite(b)) or (
+            b <= a if kind.endswith(("uniform", "Uniform")) else b <= 0):
+        what = ("lower < upper" if kind.endswith(("uniform", "Uniform"))
+                else "a location and a scale > 0")
+        raise PetabError(f"parameter {pid!r}: objectivePriorParameters of a {kind} prior "
+                         f"must be {what}, got {text!r}")
+    return kind, a, b
 
 
 def _empty(value) -> bool:
