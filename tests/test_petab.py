@@ -258,6 +258,51 @@ def test_bad_priors_are_refused_by_name(tmp_path, kind, values, message):
         gs.petab.load(_variant(tmp_path, "0001", change))
 
 
+def _at_steady_state(folder):
+    """Case 0001 with its second measurement (t = 10) moved to the steady state."""
+    m = pd.read_csv(folder / "_measurements.tsv", sep="\t")
+    m["time"] = m["time"].astype(float)
+    m.loc[1, "time"] = np.inf
+    m.to_csv(folder / "_measurements.tsv", sep="\t", index=False)
+
+
+def test_steady_state_measurements_read_the_steady_state(tmp_path):
+    """time = inf (Blasi_CellSystems2016 of the benchmark collection has only such
+    rows; they were refused): A <=> B conserves a0 + b0, so A's steady state is
+    (a0 + b0) k2 / (k1 + k2) (measured 1.3e-16 relative; bound 1e-12); the llh's
+    gradient, through the steady state by the implicit function theorem, equals
+    central differences (measured 2.2e-11 at most; bound 3e-9 as the suite's cases)
+    and the closed form's for k2 (measured 4.1e-16; bound 1e-10). A model whose right-hand side reads
+    time has no steady state to read: refused by name."""
+    prob = gs.petab.load(_variant(tmp_path, "0001", _at_steady_state))
+    th = prob.nominal
+    steady = (th["a0"] + th["b0"]) * th["k2"] / (th["k1"] + th["k2"])
+    sim = prob.simulate()["simulation"].to_numpy()
+    assert sim[1] == pytest.approx(steady, rel=1e-12, abs=1e-15)
+    plain = gs.petab.load(gs.petab.test_case("0001")).simulate()["simulation"].to_numpy()
+    assert sim[0] == plain[0]  # the t = 0 row as before
+    llh, grad = prob.llh_and_grad()
+    mesh, h = prob.record(), 1e-6
+    for k in prob.parameter_ids:
+        up, down = dict(th), dict(th)
+        up[k] += h
+        down[k] -= h
+        fd = (prob.mesh_llh(mesh, up) - prob.mesh_llh(mesh, down)) / (2 * h)
+        assert abs(grad[k] - fd) <= 3e-9 * max(1.0, abs(fd)), (k, grad[k], fd)
+    # d llh / d k2 through the steady-state row alone (sigma 0.5, the t = 0 row does
+    # not depend on k2): -(s - m) / sigma^2 * ds/dk2, ds/dk2 = (a0 + b0) k1 / (k1 + k2)^2.
+    ds = (th["a0"] + th["b0"]) * th["k1"] / (th["k1"] + th["k2"]) ** 2
+    m = prob.measurements["measurement"].to_numpy()[1]
+    assert grad["k2"] == pytest.approx(-(steady - m) / 0.25 * ds, rel=1e-10)
+
+    def reads_time(folder):
+        _at_steady_state(folder)
+        _switch_at(False, condition="time < 8")(folder)
+    with pytest.raises(gs.petab.PetabError, match=re.escape(
+            "steady-state measurements (time = inf) need an autonomous model")):
+        gs.petab.load(_variant(tmp_path / "time", "0001", reads_time))
+
+
 def test_max_steps_is_set_at_load_and_named_when_reached():
     """Lang_PLOSComputBiol2024 needs ~7200 steps at nominal, over the fixed 4096 that
     load had: the cap is load's `max_steps`, and a record that reaches it says so."""

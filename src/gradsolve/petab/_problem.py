@@ -195,19 +195,24 @@ class PetabProblem:
             if column not in df.columns:
                 raise PetabError(f"the measurement table has no {column!r} column")
         times = df["time"].astype(float).to_numpy()
-        if not np.all(np.isfinite(times)):
-            raise PetabError("steady-state measurements (time = inf) are not supported; "
-                             f"rows {np.flatnonzero(~np.isfinite(times))[:10].tolist()}")
-        if (times < 0).any():
-            raise PetabError("measurement times must be >= 0")
-        self.ts = np.unique(times)
+        if np.isnan(times).any() or (times < 0).any():
+            raise PetabError(f"measurement times must be >= 0 or inf; rows "
+                             f"{np.flatnonzero(~(times >= 0))[:10].tolist()}")
+        # Steady-state measurements (time = inf) are read at the steady state the
+        # simulation reaches from its initial state (`_steady_states`).
+        self._row_inf = np.isinf(times)
+        if self._row_inf.any() and m.time_dependent:
+            raise PetabError("steady-state measurements (time = inf) need an autonomous "
+                             "model: the right-hand side reads time")
+        finite = times[~self._row_inf]
+        self.ts = np.unique(finite) if finite.size else np.zeros(1)  # (no row reads it)
         pre = df["preequilibrationConditionId"] if "preequilibrationConditionId" in df \
             else [None] * len(df)
         pairs = [(None if _empty(a) else str(a), str(b))
                  for a, b in zip(pre, df["simulationConditionId"])]
         self.conditions = tuple(dict.fromkeys(pairs))
         self._row_trajectory = np.array([self.conditions.index(p) for p in pairs])
-        self._row_time = np.searchsorted(self.ts, times)
+        self._row_time = np.where(self._row_inf, 0, np.searchsorted(self.ts, times))
         conditions = self.petab_problem.condition_df
         columns = [c for c in conditions.columns if c != "conditionName"]
         for c in columns:
@@ -337,21 +342,31 @@ class PetabProblem:
         self._init = _lambdify([p], [m.initial[s] for s in m.states])
         filled = [j for j, c in enumerate(m.constants) if c in m.initial]
         self._fill = [(j, _lambdify([p], [m.initial[m.constants[j]]])) for j in filled]
-        # Conservation laws of each preequilibration condition, with the constants that
-        # are numbers there substituted (a law may hold only at those values).
-        laws = []
-        for e, cid in enumerate(self._preeq):
+        # Conservation laws of each preequilibration condition, and of each simulation
+        # condition with steady-state measurements.
+        self._laws = self._conservation_laws(self._pre_params, self._pre_computed,
+                                             range(len(self._preeq)))
+        self._steady_of = np.unique(self._row_trajectory[self._row_inf])
+        self._steady_laws = self._conservation_laws(self._params, self._computed,
+                                                    self._steady_of)
+        self._weights = [None if size is None else m.constants.index(size)
+                         for size in m.sizes]
+
+    def _conservation_laws(self, values, computed, rows):
+        """`(len(rows), d, d)`: the conservation laws of the conditions `rows` of
+        `values`, zero-padded to d rows, with the constants that are numbers there
+        substituted (a law may hold only at those values)."""
+        m, laws = self.model, []
+        for e in rows:
             fixed = {symbol(c): sp.Float(v) for c, v, i, comp in zip(
-                m.constants, self._pre_params.number[e], self._pre_params.index[e],
-                self._pre_computed[e]) if i < 0 and not comp}
+                m.constants, values.number[e], values.index[e], computed[e])
+                if i < 0 and not comp}
             rates = [m.rhs[s].xreplace(fixed) for s in m.states]
             weights = [1 if size is None else symbol(size).xreplace(fixed)
                        for size in m.sizes]
             L = conservation_laws(rates, weights)
             laws.append(np.vstack([L, np.zeros((len(m.states) - L.shape[0], len(m.states)))]))
-        self._laws = np.array(laws).reshape(len(self._preeq), len(m.states), len(m.states))
-        self._weights = [None if size is None else m.constants.index(size)
-                         for size in m.sizes]
+        return np.array(laws).reshape(len(laws), len(m.states), len(m.states))
 
     def _moving_switches(self):
         """The switches of the right-hand side (piecewise conditions, Heaviside, ...)
@@ -456,16 +471,28 @@ class PetabProblem:
             return x0
         pp = self._constants(self._pre_params, v, self._pre_computed)
         xp = jnp.where(self._pre_reset, self._pre_states.at(v), jax.vmap(self._init)(pp))
-        f = self._rhs.autonomous
-
-        def one(x, p, L):
-            w = jnp.stack([jnp.ones((), p.dtype) if j is None else p[j]
-                           for j in self._weights])
-            xs, ok = steady_state(f, x, p, L * w[None, :], self.rtol, self.atol)
-            return jnp.where(ok, xs, jnp.nan)
-        steady = jax.vmap(one)(xp, pp, jnp.asarray(self._laws, pp.dtype))
+        steady = jax.vmap(self._steady_state)(xp, pp, jnp.asarray(self._laws, pp.dtype))
         after = jnp.where(self._reset, self._states.at(v), steady[np.maximum(self._pre_of, 0)])
         return jnp.where((self._pre_of >= 0)[:, None], after, x0)
+
+    def _steady_state(self, x, p, L):
+        """The steady state reached from `x` (one trajectory, parameters `p`, its
+        conservation laws `L`), differentiable (`steady_state`); NaN where none is
+        found."""
+        w = jnp.stack([jnp.ones((), p.dtype) if j is None else p[j] for j in self._weights])
+        xs, ok = steady_state(self._rhs.autonomous, x, p, L * w[None, :], self.rtol,
+                              self.atol)
+        return jnp.where(ok, xs, jnp.nan)
+
+    def _steady_states(self, theta, y0):
+        """`(K, d)`: the steady state each trajectory with steady-state measurements
+        reaches from its initial state `y0` (after any preequilibration); zeros for
+        the others."""
+        sel = self._steady_of
+        p = self.to_params(theta)
+        s = jax.vmap(self._steady_state)(y0[sel], p[sel],
+                                         jnp.asarray(self._steady_laws, y0.dtype))
+        return jnp.zeros_like(y0).at[sel].set(s)
 
     # -- the likelihood --------------------------------------------------------------
 
@@ -477,12 +504,16 @@ class PetabProblem:
         M = len(self.measurements)
         sim = jnp.zeros(M, ys.dtype)
         sigma = jnp.ones(M, ys.dtype)
+        steady = self._steady_states(theta, self.to_y0(theta)) if self._steady_of.size \
+            else None
         for oid, at, trafo, dist, obs, noise, oq, nq in self._obs:
             if not at.size:
                 continue
-            k, tau = self._row_trajectory[at], self._row_time[at]
-            t = jnp.asarray(self.ts[tau], ys.dtype)
+            k, tau, inf = self._row_trajectory[at], self._row_time[at], self._row_inf[at]
+            t = jnp.where(inf, jnp.inf, jnp.asarray(self.ts[tau], ys.dtype))
             x, pk, q, r = ys[k, tau], p[k], oq.at(v), nq.at(v)
+            if inf.any():
+                x = jnp.where(inf[:, None], steady[k], x)
             s = jax.vmap(lambda t, x, p, q: obs(t, x, p, q, g)[0])(t, x, pk, q)
             n = jax.vmap(lambda t, x, p, q, r, s: noise(t, x, p, q, r, g, s)[0])(
                 t, x, pk, q, r, s)
