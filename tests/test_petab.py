@@ -272,8 +272,11 @@ def test_steady_state_measurements_read_the_steady_state(tmp_path):
     (a0 + b0) k2 / (k1 + k2) (measured 1.3e-16 relative; bound 1e-12); the llh's
     gradient, through the steady state by the implicit function theorem, equals
     central differences (measured 2.2e-11 at most; bound 3e-9 as the suite's cases)
-    and the closed form's for k2 (measured 4.1e-16; bound 1e-10). A model whose right-hand side reads
-    time has no steady state to read: refused by name."""
+    and the closed form's for k2 (measured 4.1e-16; bound 1e-10). A right-hand side
+    that reads time has a steady state only where that condition's values decide every
+    switch for t >= 0 (`time < 0`: the same steady state); one that does not is refused
+    naming the condition and the states (Brannmark_JBC2010, Isensee_JCB2018 and
+    Weber_BMC2015 of the collection load so)."""
     prob = gs.petab.load(_variant(tmp_path, "0001", _at_steady_state))
     th = prob.nominal
     steady = (th["a0"] + th["b0"]) * th["k2"] / (th["k1"] + th["k2"])
@@ -295,12 +298,18 @@ def test_steady_state_measurements_read_the_steady_state(tmp_path):
     m = prob.measurements["measurement"].to_numpy()[1]
     assert grad["k2"] == pytest.approx(-(steady - m) / 0.25 * ds, rel=1e-10)
 
-    def reads_time(folder):
-        _at_steady_state(folder)
-        _switch_at(False, condition="time < 8")(folder)
+    def reads_time(condition):
+        def edit(folder):
+            _at_steady_state(folder)
+            _switch_at(False, condition=condition)(folder)
+        return edit
+    decided = gs.petab.load(_variant(tmp_path / "decided", "0001", reads_time("time < 0")))
+    assert decided.simulate()["simulation"].to_numpy()[1] == pytest.approx(steady, rel=1e-12)
     with pytest.raises(gs.petab.PetabError, match=re.escape(
-            "steady-state measurements (time = inf) need an autonomous model")):
-        gs.petab.load(_variant(tmp_path / "time", "0001", reads_time))
+            "steady-state measurements (time = inf) of condition 'c0': with that "
+            "condition's values the right-hand side still reads time at t >= 0 (the "
+            "rates of ['A', 'B']), so it has no steady state")):
+        gs.petab.load(_variant(tmp_path / "time", "0001", reads_time("time < 8")))
 
 
 def test_max_steps_is_set_at_load_and_named_when_reached():

@@ -201,9 +201,6 @@ class PetabProblem:
         # Steady-state measurements (time = inf) are read at the steady state the
         # simulation reaches from its initial state (`_steady_states`).
         self._row_inf = np.isinf(times)
-        if self._row_inf.any() and m.time_dependent:
-            raise PetabError("steady-state measurements (time = inf) need an autonomous "
-                             "model: the right-hand side reads time")
         finite = times[~self._row_inf]
         self.ts = np.unique(finite) if finite.size else np.zeros(1)  # (no row reads it)
         pre = df["preequilibrationConditionId"] if "preequilibrationConditionId" in df \
@@ -223,9 +220,6 @@ class PetabProblem:
                 raise PetabError(f"condition table column {c!r} is neither a model "
                                  "parameter, a compartment nor a species")
         self._preeq = tuple(dict.fromkeys(a for a, _ in self.conditions if a is not None))
-        if self._preeq and m.time_dependent:
-            raise PetabError("preequilibration needs an autonomous model: the right-hand "
-                             "side reads time")
 
         def condition(cid):
             if cid not in conditions.index:
@@ -269,6 +263,40 @@ class PetabProblem:
         self._pre_states = _Values(snum, sidx.astype(int))
         self._pre_of = np.array([self._preeq.index(a) if a is not None else -1
                                  for a, _ in self.conditions])
+        # A steady state is of a right-hand side that does not read time: the model's,
+        # or the one a condition's values make (a dose of 0 switches off a timed
+        # stimulus: Brannmark_JBC2010's preequilibration).
+        self._refuse_time(self._pre_params, self._pre_computed, range(len(self._preeq)),
+                          self._preeq, "preequilibration condition")
+        steady = np.unique(self._row_trajectory[self._row_inf])
+        self._refuse_time(self._params, self._computed, steady,
+                          [s for _, s in self.conditions],
+                          "steady-state measurements (time = inf) of condition")
+
+    def _fixed(self, values, computed, e):
+        """The model constants that are numbers in condition `e` of `values`, as SymPy
+        substitutions."""
+        m = self.model
+        return {symbol(c): sp.Float(v) for c, v, i, comp in zip(
+            m.constants, values.number[e], values.index[e], computed[e])
+            if i < 0 and not comp}
+
+    def _refuse_time(self, values, computed, rows, names, what):
+        """Raise `PetabError` where, with condition e's numbers in place, a rate still
+        reads time at some t >= 0 (its steady state is then not defined; a switch
+        such as `time < 0` is decided there, and the steady state is that of the
+        right-hand side at t = 0)."""
+        m = self.model
+        if not m.time_dependent:
+            return
+        later = sp.Symbol("t_after_start", nonnegative=True)  # decides `time < 0` etc.
+        for e in rows:
+            fixed = {**self._fixed(values, computed, e), TIME: later}
+            reads = [s for s in m.states if later in m.rhs[s].xreplace(fixed).free_symbols]
+            if reads:
+                raise PetabError(f"{what} {names[e]!r}: with that condition's values the "
+                                 f"right-hand side still reads time at t >= 0 (the rates "
+                                 f"of {reads[:5]}), so it has no steady state")
 
     def _observables(self, df):
         from petab.v1.math import sympify_petab  # the petab extra
@@ -358,9 +386,7 @@ class PetabProblem:
         substituted (a law may hold only at those values)."""
         m, laws = self.model, []
         for e in rows:
-            fixed = {symbol(c): sp.Float(v) for c, v, i, comp in zip(
-                m.constants, values.number[e], values.index[e], computed[e])
-                if i < 0 and not comp}
+            fixed = self._fixed(values, computed, e)
             rates = [m.rhs[s].xreplace(fixed) for s in m.states]
             weights = [1 if size is None else symbol(size).xreplace(fixed)
                        for size in m.sizes]
