@@ -135,6 +135,11 @@ def test_no_import_cycle():
                                                            "gradsolve.methods",
                                                            "gradsolve.fields"))}:
         assert not graph[name] & upper, (name, graph[name] & upper)
+    # and the generic core knows nothing of Warp (issue 22): the in-kernel adjoint's
+    # replay registers itself with replay.py from engines/kernel_adjoint.py
+    for name in ("gradsolve.replay", "gradsolve.config", "gradsolve.engines._base"):
+        assert not {m for m in graph[name] if m.startswith("gradsolve.warp")}, \
+            (name, graph[name])
 
 
 def test_lazy_imports_are_the_deliberate_ones():

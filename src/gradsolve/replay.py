@@ -22,7 +22,12 @@ from .config import Config, check_interpolate, check_ts, default_remat
 from .mesh import Mesh
 from .problem import as_problem, field, param_axes
 from .status import Status
-from .warp import _adjoint
+
+# The replays by name other than the JAX replay below: `name -> run(prob, mesh, params,
+# y0, ts)`, registered by the engine that computes it when its module loads
+# (engines/kernel_adjoint.py: the Warp kernels). The replay dispatches through this
+# table and so knows nothing of Warp.
+ENGINE_REPLAYS = {}
 
 
 def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
@@ -71,16 +76,17 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
     method = methods.get(mesh.method)
     ts = check_ts(ts, prob.t_span)
     check_interpolate(method, interpolate)
-    if engine == "kernel_adjoint":
+    if engine is not None:
+        if engine not in ENGINE_REPLAYS:
+            raise ValueError(f"engine must be None (the JAX replay) or "
+                             f"{' or '.join(map(repr, sorted(ENGINE_REPLAYS)))}, "
+                             f"got {engine!r}")
         if interpolate or remat:
-            raise ValueError("engine='kernel_adjoint' takes neither interpolate nor remat "
+            raise ValueError(f"engine={engine!r} takes neither interpolate nor remat "
                              "(it stores one state per mesh point and recomputes stages)")
         if devices is not None and layout.size(layout.device_mesh(devices)) > 1:
-            raise ValueError("engine='kernel_adjoint' runs on one device (devices=)")
-        return _adjoint.replay_function(prob, mesh.method, ts)(mesh, params, y0)
-    if engine is not None:
-        raise ValueError(f"engine must be None (the JAX replay) or 'kernel_adjoint', "
-                         f"got {engine!r}")
+            raise ValueError(f"engine={engine!r} runs on one device (devices=)")
+        return ENGINE_REPLAYS[engine](prob, mesh, params, y0, ts)
     if remat is None:
         remat = default_remat(method, prob.stiff, prob.d)
     n = jnp.shape(y0)[0]  # (not prob.n: an engine may replay a piece of the ensemble)

@@ -4,7 +4,8 @@ The replay runs in Warp instead of JAX: a forward kernel over the recorded mesh 
 stores one state per mesh point, and a backward kernel that recomputes each step's
 stages from it and applies the step's vector-Jacobian product (`warp/_adjoint.py`).
 The pair enters JAX as one `jax.custom_vjp` around two host calls (`warp/_jax.py`:
-XLA's FFI on the CPU, `jax.pure_callback` elsewhere; `_adjoint.replay_function`, also `gs.replay(..., engine="kernel_adjoint")`), so it
+XLA's FFI on the CPU, `jax.pure_callback` elsewhere; `_adjoint.replay_function`, also
+`gs.replay(..., engine="kernel_adjoint")`, which this module registers), so it
 works inside `jit` and under `jax.grad` like the JAX replay -- the same convention
 (the exact derivative of the replay on the recorded mesh, step sizes held fixed) and
 the same masking rule (a failed trajectory gives zero outputs and zero gradients).
@@ -17,6 +18,7 @@ translator accepts runs here, Equinox MLPs in `gs.Shared` included.
 
 from typing import ClassVar
 
+from ..replay import ENGINE_REPLAYS
 from ..warp import _adjoint, _runtime
 from .fused_replay import FusedReplay
 
@@ -70,3 +72,12 @@ class KernelAdjoint(FusedReplay):
 
     def ys_function(self, prob, cfg, mode):
         return _adjoint.replay_function(prob, cfg.method, cfg.ts)
+
+
+def _replay_on(prob, mesh, params, y0, ts):
+    """`gs.replay(..., engine="kernel_adjoint")`: the Warp forward and backward over
+    `mesh`."""
+    return _adjoint.replay_function(prob, mesh.method, ts)(mesh, params, y0)
+
+
+ENGINE_REPLAYS[KernelAdjoint.name] = _replay_on
