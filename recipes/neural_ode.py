@@ -10,8 +10,8 @@ rtol 1e-3, atol 1e-6; the example's length strategy: `--steps` updates on the fi
 10 % of each series, then as many on all of it. The network sits in the problem as
 `gs.Shared`, so the Calibrator fits it once over every series with no fit axis
 anywhere (docs/calibrator.md, section 5); the outputs come from Tsit5's continuous
-extension (`interpolate=True`) and the mesh is re-recorded every 50 updates (the
-default for one fit over shared parameters). It
+extension and the mesh is re-recorded every 50 updates (both defaults: the second
+for one fit over shared parameters). It
 prints each stage's loss and time and plots a series against the trained model's.
 """
 
@@ -60,7 +60,7 @@ def stage(prob, loss, ts, data, length, args):
     from the problem's network; returns the trained network."""
     m = max(2, int(length * ts.size))
     cal = gs.Calibrator(prob.replace(t_span=(0.0, float(ts[m - 1]))), loss,
-                        data=data[:, :m], ts=ts[:m], interpolate=True, rtol=RTOL, atol=ATOL,
+                        data=data[:, :m], ts=ts[:m], rtol=RTOL, atol=ATOL,
                         batch_size=min(BATCH, prob.n), optimizer=optax.adam(LR),
                         checkpoint_dir=args.checkpoint_dir and f"{args.checkpoint_dir}/{m}",
                         checkpoint_every=args.checkpoint_every if args.checkpoint_dir else None)

@@ -52,15 +52,33 @@ def test_ts_outputs_match_a_tight_reference(lorenz):
     assert rel_err(ys[:, -1], gs.replay(prob, mesh)) < 1e-14
 
 
-def test_ts_outputs_are_integrated_not_interpolated():
-    # On the linear system the closed form is exact: an extra step of size < h has a
-    # smaller local error than the mesh steps, so the error stays at the mesh's level.
+def test_ts_outputs_integrated_by_name():
+    # interpolate=False integrates an extra step to each output. On the linear system
+    # the closed form is exact: an extra step of size < h has a smaller local error
+    # than the mesh steps, so the error stays at the mesh's level.
     prob = gs.problems.linear(n=4, d=5)
     mesh = gs.record(prob, rtol=1e-9, atol=1e-12)
     ts = np.linspace(0.0, 1.0, 9)
-    ys = np.asarray(gs.replay(prob, mesh, ts=ts))
+    ys = np.asarray(gs.replay(prob, mesh, ts=ts, interpolate=False))
     exact = np.stack([gs.problems.linear_exact(prob, t) for t in ts], axis=1)
     assert rel_err(ys, exact) < 1e-8
+
+
+def test_default_outputs_follow_the_extension_order():
+    # interpolate=None: Tsit5's order-4 extension serves ts; Rosenbrock23's order-2
+    # one does not (the integrated step instead). Bit for bit the named choice, and
+    # the two differ (by the extension's error), so the test sees which ran.
+    prob = gs.problems.linear(n=2, d=5)
+    ts = np.linspace(0.0, 1.0, 7)
+    for method, chosen in (("tsit5", True), ("rosenbrock23", False)):
+        mesh = gs.record(prob, method=method, rtol=1e-4, atol=1e-7)
+        ys = gs.replay(prob, mesh, ts=ts)
+        np.testing.assert_array_equal(ys, gs.replay(prob, mesh, ts=ts, interpolate=chosen))
+        assert rel_err(ys, gs.replay(prob, mesh, ts=ts, interpolate=not chosen)) > 1e-12
+    sol = gs.solve(prob, ts=ts, engine="general")
+    assert sol.interpolated and not gs.solve(prob, engine="general").interpolated
+    with pytest.raises(ValueError, match="interpolate must be None"):
+        gs.solve(prob, ts=ts, interpolate="yes")
 
 
 def test_tsit5_interpolated_outputs(lorenz):

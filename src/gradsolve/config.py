@@ -85,18 +85,40 @@ def default_remat(method, stiff: bool, d: int) -> bool:
     return True
 
 
+# `interpolate=None` (the default everywhere) serves `ts` from the method's continuous
+# extension when its order is at least this (Tsit5 and Rodas5P: 4) and the engine
+# serves it; else each output is integrated by an extra step from the mesh point before
+# it (Rosenbrock23's order-2 extension loses to its own step; Vern7 has none; the Warp
+# kernels integrate). docs/gradients.md tabulates the accuracy of both.
+AUTO_INTERPOLATE_ORDER = 3
+
+
 def check_interpolate(method, interpolate):
-    if interpolate and not method.has_dense_output:
+    if interpolate is not None and not isinstance(interpolate, (bool, np.bool_)):
+        raise ValueError(f"interpolate must be None (automatic), True or False, got "
+                         f"{interpolate!r}")
+    if interpolate and method is not None and not method.has_dense_output:
         having = [m for m in methods.names() if methods.get(m).has_dense_output]
         raise ValueError(f"interpolate=True needs a method with a continuous extension "
                          f"({', '.join(having)}); {method.name!r} has none")
 
 
+def resolve_interpolate(method, interpolate, ts, served=True) -> bool:
+    """Whether `ts` is served from `method`'s continuous extension: `interpolate` when
+    given, else (None) when there are output times, the engine serves the extension
+    (`served`) and its order is at least `AUTO_INTERPOLATE_ORDER`."""
+    if interpolate is not None:
+        return bool(interpolate)
+    return ts is not None and served and method.dense_order >= AUTO_INTERPOLATE_ORDER
+
+
 def make_config(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STEPS,
-                ts=None, remat=None, interpolate=False, devices=None, memory_budget=None,
-                buckets=None, splits=True) -> Config:
+                ts=None, remat=None, interpolate=None, devices=None, memory_budget=None,
+                buckets=None, splits=True, interpolates=True) -> Config:
     """Validate every setting against `prob` and return a `Config`. `splits`: the
-    engine runs on several devices (else the default `devices=None` means one)."""
+    engine runs on several devices (else the default `devices=None` means one);
+    `interpolates`: it serves `ts` from a continuous extension (`interpolate=None`
+    resolves against it)."""
     rtol, atol = check_tolerances(rtol, atol)
     method = methods.default_for(prob.stiff) if method is None else method
     m = check_method(prob, method)
@@ -105,9 +127,10 @@ def make_config(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STE
         remat = default_remat(m, prob.stiff, prob.d)
     if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)) or max_steps < 1:
         raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+    ts = check_ts(ts, prob.t_span)
     return Config(rtol=rtol, atol=atol, method=method, dt0=check_dt0(dt0, prob.n),
-                  max_steps=int(max_steps), ts=check_ts(ts, prob.t_span), remat=bool(remat),
-                  interpolate=bool(interpolate),
+                  max_steps=int(max_steps), ts=ts, remat=bool(remat),
+                  interpolate=resolve_interpolate(m, interpolate, ts, interpolates),
                   devices=layout.device_mesh(devices, prob.n)
                   if splits or devices is not None else None,
                   memory_budget=layout.budget_bytes(memory_budget),

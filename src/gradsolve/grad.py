@@ -195,7 +195,7 @@ class ValueAndGrad:
 def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=1e-9,
                    method=None, engine=None, ts=None, remat=None, mesh=None, fused=None,
                    dt0=None, max_steps=DEFAULT_MAX_STEPS, on_failure="raise",
-                   interpolate=False, devices=None, buckets=None, memory_budget=None):
+                   interpolate=None, devices=None, buckets=None, memory_budget=None):
     """Record once; return a function computing `loss` and its exact gradient.
 
     The gradient is that of the replay on the recorded mesh, `d Psi(theta;
@@ -211,12 +211,16 @@ def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=
         rtol, atol, method, dt0, max_steps: the record's settings.
         engine: None (router), an engine name (`"general_replay"`, `"diffrax"` for
             the baseline) or an engine object such as `gs.engines.Diffrax(checkpoints=)`.
-        ts: output times; each output is integrated by one extra step.
+        ts: output times (see `interpolate`).
         remat: recompute steps in the backward sweep (default on for non-stiff
             methods, for stiff ones from 16 variables on).
-        interpolate: serve `ts` from the continuous extension (all methods but Vern7; the
-            JAX replay) instead: no evaluation of the field beyond the mesh's steps,
-            where each integrated output costs one more step.
+        interpolate: how `ts` is served. None (default): from the method's
+            continuous extension where it has one of order >= 3 (Tsit5, Rodas5P) and
+            the engine serves it (the JAX replay and Diffrax; no evaluation of the field
+            beyond the mesh's steps), else by one extra integrated step per output
+            (Rosenbrock23, Vern7, the Warp kernels). True asks for the extension (any
+            method with one), False for the integrated step (docs/gradients.md compares
+            their accuracy).
         mesh: differentiate on this mesh instead of recording one.
         fused: None lets the router choose; True asks for a Warp engine
             (`fused_replay`), with an error saying why if none can serve; False keeps

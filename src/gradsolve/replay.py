@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from . import layout, methods
-from .config import Config, check_interpolate, check_ts, default_remat
+from .config import Config, check_interpolate, check_ts, default_remat, resolve_interpolate
 from .mesh import Mesh
 from .problem import as_problem, field, param_axes
 from .status import Status
@@ -31,7 +31,7 @@ ENGINE_REPLAYS = {}
 
 
 def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
-           interpolate=False, engine=None, devices=None, buckets=None, memory_budget=None):
+           interpolate=None, engine=None, devices=None, buckets=None, memory_budget=None):
     """Replay `mesh` from `y0` with `params`: differentiable (pure JAX, or the Warp
     kernels of the in-kernel adjoint with `engine="kernel_adjoint"`).
 
@@ -39,14 +39,15 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
         prob: the ensemble problem (its `f_jax`, and defaults for `params`, `y0`).
         mesh: a `gs.Mesh` from `gs.record` (or a Calibrator).
         params, y0: where to evaluate; default the problem's own.
-        ts: optional 1-D array of output times inside `t_span`. Each output is
-            INTEGRATED: one extra plain step from the last mesh point at or before it,
-            not an interpolation.
+        ts: optional 1-D array of output times inside `t_span` (see `interpolate`).
         remat: recompute the step in the backward sweep (`eqx.filter_checkpoint`;
             default: on for non-stiff methods, and for stiff ones from 16 variables on).
-        interpolate: serve `ts` from the method's continuous extension on the mesh
-            step containing each time (all methods but Vern7: no evaluation of the field
-            beyond the mesh's steps), instead of an extra integrated step.
+        interpolate: None (default): each output from the method's continuous
+            extension on the mesh step containing it where the extension's order is
+            >= 3 (Tsit5, Rodas5P: no evaluation of the field beyond the mesh's steps),
+            else INTEGRATED by one extra plain step from the last mesh point at or
+            before it (Rosenbrock23, Vern7, `engine="kernel_adjoint"`). True or False
+            ask for one of the two.
         engine: None (the JAX replay) or `"kernel_adjoint"`: the same function
             computed by Warp kernels, its gradient by the Warp backward (Tsit5 and
             Rosenbrock23 meshes of a field the translator accepts; `remat` and
@@ -89,6 +90,7 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
         return ENGINE_REPLAYS[engine](prob, mesh, params, y0, ts)
     if remat is None:
         remat = default_remat(method, prob.stiff, prob.d)
+    interpolate = resolve_interpolate(method, interpolate, ts)
     n = jnp.shape(y0)[0]  # (not prob.n: an engine may replay a piece of the ensemble)
     cfg = Config(rtol=mesh.rtol, atol=mesh.atol, method=mesh.method, ts=ts, remat=bool(remat),
                  interpolate=interpolate, devices=layout.device_mesh(devices, n),

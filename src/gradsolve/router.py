@@ -156,7 +156,7 @@ def _holds_module(params) -> bool:
 
 
 def request_for(prob, *, gradient: bool, method=None, rtol=None, mode="reverse",
-                interpolate=False, ts=False, fused=None, devices=None) -> Request:
+                interpolate=None, ts=False, fused=None, devices=None) -> Request:
     """The router's view of a call: the problem's stiffness, dimension, dtype and
     parameters, whether its field has a fused form (and a Jacobian), what is asked."""
     form, why = fused_form(prob) if fused is not False else (None, None)
@@ -175,10 +175,10 @@ def plan(prob, *, gradient: bool, engine=None, method=None, fused=None, mode="re
     validate the settings: `(engine, passed_over, config)`."""
     if fused not in (None, True, False):
         raise ValueError(f"fused must be None, True or False, got {fused!r}")
-    if method is not None:
-        check_interpolate(methods.get(method), settings.get("interpolate", False))
+    interpolate = settings.get("interpolate")
+    check_interpolate(methods.get(method) if method is not None else None, interpolate)
     request = request_for(prob, gradient=gradient, method=method, rtol=settings.get("rtol"),
-                          mode=mode, interpolate=settings.get("interpolate", False),
+                          mode=mode, interpolate=interpolate,
                           ts=settings.get("ts") is not None, fused=fused,
                           devices=settings.get("devices"))
     if engine is not None and fused is False and _named(engine).warp:
@@ -195,4 +195,5 @@ def plan(prob, *, gradient: bool, engine=None, method=None, fused=None, mode="re
             raise ValueError(f"engine {chosen.name!r} cannot serve this problem: {why}")
         refused[chosen.name] = why
     return chosen, passed, make_config(prob, method=chosen_method, splits=chosen.splits,
+                                       interpolates=request.task in chosen.interpolates,
                                        **settings)

@@ -22,6 +22,8 @@ class Solution(eqx.Module):
         engine: the engine that ran; method: the integration method.
         passed_over: `(engine, reason)` pairs the router did not choose.
         ts: the output times of `ys`: the `ts` asked for, or `(t1,)` without them.
+        interpolated: whether the outputs at `ts` came from the method's continuous
+            extension (else each was integrated by an extra step).
     """
 
     ys: jax.Array
@@ -32,6 +34,7 @@ class Solution(eqx.Module):
     method: str = eqx.field(static=True)
     passed_over: tuple = eqx.field(static=True, default=())
     ts: jax.Array | None = None
+    interpolated: bool = eqx.field(static=True, default=False)
 
     @property
     def stats(self) -> dict:
@@ -77,7 +80,7 @@ def solve_rows(engine, prob, cfg):
 
 
 def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtype=None,
-          max_steps=DEFAULT_MAX_STEPS, dt0=None, interpolate=False, fused=None,
+          max_steps=DEFAULT_MAX_STEPS, dt0=None, interpolate=None, fused=None,
           throw=False, devices=None, memory_budget=None) -> Solution:
     """Solve every trajectory of an ensemble (forward only).
 
@@ -91,8 +94,9 @@ def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtyp
         dtype: cast the problem to this floating dtype first.
         max_steps: cap on attempted steps per trajectory.
         dt0: first step (default: Hairer & Wanner's rule per trajectory).
-        interpolate: serve `ts` from the continuous extension (all methods but Vern7; the
-            JAX engines) rather than by one extra integrated step per output.
+        interpolate: how `ts` is served, as in `gs.value_and_grad` (None: Tsit5's and
+            Rodas5P's continuous extension on the JAX engines and Diffrax, else an
+            integrated step per output); `.interpolated` on the result says which.
         fused: None lets the router choose; True asks for the Warp engine (an error
             says why if it cannot serve); False keeps the solve off every Warp engine.
         throw: raise `gs.TrajectoryFailure` if a trajectory failed (as Diffrax's
@@ -137,5 +141,5 @@ def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtyp
     out_ts = jnp.asarray([prob.t_span[1]] if cfg.ts is None else cfg.ts, ys.dtype)
     sol = Solution(ys=ys, status=status, n_accepted=n_acc, n_rejected=n_rej,
                    engine=eng.name, method=cfg.method, passed_over=tuple(passed.items()),
-                   ts=out_ts)
+                   ts=out_ts, interpolated=cfg.interpolate and cfg.ts is not None)
     return sol.raise_for_status() if throw else sol

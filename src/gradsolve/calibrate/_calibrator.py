@@ -156,11 +156,11 @@ class Calibrator:
         transform: parameter transforms (`gs.transforms.Positive()`, `Bounded(lo,
             hi)`), one for all leaves or a pytree matching `theta0`; None: identity.
         rtol, atol, method, ts, max_steps, dt0: the record's and replay's settings.
-        interpolate: serve `ts` from the method's continuous extension (every
-            method but Vern7; on the JAX replay) instead of one integrated step per
-            output time: the outputs then cost no evaluation of the field beyond the mesh's steps,
-            which matters when there are many more outputs than steps (a neural ODE's
-            data; see `gs.value_and_grad`).
+        interpolate: how `ts` is served, as `gs.value_and_grad` (None: the
+            continuous extension of Tsit5 and Rodas5P on the JAX replay, else an
+            integrated step per output). The extension costs no evaluation of the field
+            beyond the mesh's steps, which matters when there are many more outputs than
+            steps (a neural ODE's data).
         remat: recompute each replay step in the backward sweep (`eqx.filter_checkpoint`;
             default as `gs.value_and_grad`: on for non-stiff methods).
         engine: None (router), or an engine name; `"diffrax"` runs the same loop on
@@ -231,7 +231,7 @@ class Calibrator:
 
     def __init__(self, prob, loss, to_params=None, data=None, optimizer=None, *,
                  to_y0=None, transform=None, rtol=1e-6, atol=1e-9, method=None, ts=None,
-                 interpolate=False, max_steps=DEFAULT_MAX_STEPS, dt0=None, remat=None,
+                 interpolate=None, max_steps=DEFAULT_MAX_STEPS, dt0=None, remat=None,
                  engine=None, recorder=None, refresh_every="auto", drift_every=None,
                  drift_tol=None, batch_size=None, checkpoint_dir=None, checkpoint_every=None,
                  devices=None, buckets=None, memory_budget=None):

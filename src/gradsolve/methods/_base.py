@@ -25,6 +25,12 @@ class Method:
     has_dense_output: ClassVar[bool] = False
 
     @property
+    def dense_order(self) -> int:
+        """The order of the continuous extension (0 without one): outputs inside a
+        step of size h are accurate to O(h^(dense_order + 1)) locally."""
+        return getattr(self.tableau, "dense_order", 0) if self.has_dense_output else 0
+
+    @property
     def error_order(self) -> int:
         """The controller's exponent is `-1 / error_order`. For a p(p-1) pair the
         estimate `y - y_hat` is locally O(h^p) (the embedded solution's local error),

@@ -28,6 +28,7 @@ class RosenbrockTableau:
         m: `(s,)` solution weights.
         m_err: `(s,)` error-estimate weights (`m - m_hat`).
         dense: `(k, s)` coefficients of the continuous extension, or None.
+        dense_order: the order of that continuous extension (0 without one).
     """
 
     name: str
@@ -40,6 +41,7 @@ class RosenbrockTableau:
     m: np.ndarray
     m_err: np.ndarray
     dense: np.ndarray | None = None
+    dense_order: int = 0
 
     def __post_init__(self):
         s = np.asarray(self.m).shape[0]

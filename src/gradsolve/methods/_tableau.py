@@ -27,6 +27,7 @@ class ButcherTableau:
             that `y(t + theta h) = y + h sum_i b_i(theta) f_i` from the step's own
             stages. Checked: `b_i(1) = b_i` (continuous at the step's end) and
             `sum_i b_i(theta) = theta` (exact on constant slopes).
+        dense_order: the order of that continuous extension (0 without one).
 
     `fsal` (first stage of the next step equals the last stage of this one) is derived,
     not declared: it holds when the last stage is evaluated at `t + h` on `y_new`.
@@ -44,6 +45,7 @@ class ButcherTableau:
     b: np.ndarray
     b_error: np.ndarray
     dense: np.ndarray | None = None
+    dense_order: int = 0
     fsal: bool = dataclasses.field(init=False)
 
     def __post_init__(self):

@@ -90,6 +90,7 @@ tableau = RosenbrockTableau(
          80.12511834622643, -52.072871366152654, -59.78993625266729,
          -0.15582684282751913, 4.883087185713722],
     ]),
+    dense_order=4,
 )
 
 method = Rosenbrock(tableau)

@@ -40,6 +40,7 @@ class Rosenbrock23Constants:
     order: int
     d: float
     e32: float
+    dense_order: int = 2  # the ntrp23s interpolant above
 
 
 tableau = Rosenbrock23Constants(

@@ -46,6 +46,7 @@ tableau = ButcherTableau(
         [0.0, -27.896526289197286, 65.09189467479368, -34.87065786149661],
         [0.0, 1.5, -4.0, 2.5],
     ]),
+    dense_order=4,
 )
 
 method = ExplicitRungeKutta(tableau)
