@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs" / "benchmarks.md"
 SCRIPTS = ("grad_vs_diffrax", "stiff_and_high_order", "fit_vs_diffrax", "neural_ode",
-           "fused_forward", "kernel_adjoint", "scale", "petab_collection")
+           "fused_forward", "kernel_adjoint", "scale", "petab_collection", "outputs")
 PACKAGES = ("gradsolve", "jax", "jaxlib", "diffrax", "equinox", "optax", "warp-lang",
             "numpy", "scipy")
 
