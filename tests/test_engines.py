@@ -24,8 +24,8 @@ def test_interpolate_on_a_stiff_fused_field_reaches_a_jax_replay():
     sol = gs.solve(prob, ts=ts, interpolate=True, rtol=1e-6, atol=1e-9)
     why = dict(sol.passed_over)
     assert (sol.engine, sol.method) == ("general", "rodas5p")
-    assert why["fused"] == ("its Warp kernels serve ts by an integrated step; "
-                            "interpolate=True runs on the JAX replay")
+    assert why["fused"] == ("its Warp kernels serve ts by an integrated step "
+                            "(rosenbrock23); interpolate=True runs on the JAX replay")
     assert why["diffrax"] == "Diffrax has no 'rodas5p' solver"
     # Against the closed form (SciPy's expm), entry by entry. At rtol 1e-6 the
     # interpolated outputs measured 7e-7 (the integrated ones 1.3e-7); 1e-5 leaves

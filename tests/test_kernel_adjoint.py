@@ -43,15 +43,16 @@ def _inexact(tree):
     return eqx.filter(tree, eqx.is_inexact_array)
 
 
-def _same_mesh_pair(prob, ts, rtol=1e-6, method="tsit5"):
-    """`(kernel_adjoint, general_replay)` value-and-grads on one (fused) mesh; the JAX
-    replay integrates a step to each output time, as the kernels do (its default for
-    Tsit5 is the continuous extension)."""
+def _same_mesh_pair(prob, ts, rtol=1e-6, method="tsit5", interpolate=None):
+    """`(kernel_adjoint, general_replay)` value-and-grads on one (fused) mesh, their
+    outputs served the same way: `interpolate` as given, the default resolving to
+    Tsit5's continuous extension and to Rosenbrock23's integrated step on both."""
     ka = gs.value_and_grad(prob, _loss, wrt="both", engine="kernel_adjoint", ts=ts,
-                           method=method, rtol=rtol, atol=1e-9)
+                           method=method, rtol=rtol, atol=1e-9, interpolate=interpolate)
     ref = gs.value_and_grad(prob, _loss, wrt="both", engine="general_replay", ts=ts,
-                            method=method, mesh=ka.mesh, interpolate=False)
-    assert not ka.config.interpolate
+                            method=method, mesh=ka.mesh, interpolate=interpolate)
+    want = ts is not None and interpolate is not False and method == "tsit5"
+    assert ka.config.interpolate == ref.config.interpolate == want
     return ka, ref
 
 
@@ -62,14 +63,16 @@ def test_registered_fields_equal_the_jax_replay_on_the_same_mesh(name, kw):
     # through the 8-77 steps (measured at most, relative: value 2.1e-15, bound 2e-14;
     # parameter gradients 5.8e-14, bound 6e-13; y0 gradients 2.3e-13, lorenz96, bound
     # 3e-12), without ts, and with ts on four of them (the kernels are the same
-    # for every field; what ts adds is the outputs' extra steps and their cotangents:
-    # a 2-D, a 6-D, a stiff 3-D and a stiff 5-D field, to keep a fresh clone's tests in
-    # budget).
+    # for every field; what ts adds is the outputs and their cotangents: a 2-D, a 6-D,
+    # a stiff 3-D and a stiff 5-D field, to keep a fresh clone's tests in budget), from
+    # Tsit5's continuous extension (the default) on the first two and by an
+    # integrated step on the others.
     prob = getattr(gs.problems, name)(n=6, **kw)
     t0, t1 = prob.t_span
     with_ts = name in ("van_der_pol", "lorenz96", "robertson", "linear_stiff")
+    interpolate = False if name in ("robertson", "linear_stiff") else None
     for ts in (None, t0 + TS * (t1 - t0)) if with_ts else (None,):
-        ka, ref = _same_mesh_pair(prob, ts)
+        ka, ref = _same_mesh_pair(prob, ts, interpolate=interpolate)
         assert ka.engine == "kernel_adjoint" and ka.mesh.recorder == "fused" and ka.mesh.ok
         (v, (gp, gy)), (v_ref, (gp_ref, gy_ref)) = ka(), ref()
         assert rel_err(v, v_ref) < 2e-14
@@ -124,15 +127,17 @@ def neural_pair(neural):
 
 @pytest.mark.parametrize("wrt", ["params", "y0", "both"])
 def test_mlp_field_every_weight_equals_the_jax_replay(neural, neural_pair, wrt):
-    # Every MLP weight and bias (Shared: summed over the trajectories), k, and y0:
-    # measured at most 2.7e-15 relative (wrt="both"); bound 3e-14.
+    # Every MLP weight and bias (Shared: summed over the trajectories), k, and y0, the
+    # outputs from Tsit5's continuous extension (the default) on both sides: measured
+    # at most 3.9e-15 relative (wrt="both" and "y0"; 2.7e-15 with integrated outputs);
+    # bound 3e-14.
     ka, ref = neural_pair  # wrt="both"
     assert ka.mesh.ok
     if wrt != "both":
         ka = gs.value_and_grad(neural, _loss, wrt=wrt, engine="kernel_adjoint", ts=TS * 2.0,
                                mesh=ka.mesh)
         ref = gs.value_and_grad(neural, _loss, wrt=wrt, engine="general_replay", ts=TS * 2.0,
-                                mesh=ka.mesh, interpolate=False)
+                                mesh=ka.mesh)
     (_, g), (_, g_ref) = ka(), ref()
     assert tree_rel_err(_inexact(g), _inexact(g_ref)) < 3e-14
     weights = jax.tree.leaves(_inexact(g if wrt == "params" else g[0] if wrt == "both" else {}))
@@ -140,9 +145,10 @@ def test_mlp_field_every_weight_equals_the_jax_replay(neural, neural_pair, wrt):
 
 
 def test_mlp_gradient_equals_central_differences_on_the_same_mesh(neural, neural_pair):
-    # Central differences of the kernel's own value on the same mesh: truncation
-    # O(eps^2) ~ 1e-12, roundoff ~1e-16 / eps ~ 1e-10 of the value (measured 3.9e-10 to
-    # 2.5e-8 relative to the entry, the largest for the smallest entry); bound 3e-7.
+    # Central differences of the kernel's own value on the same mesh (outputs from the
+    # continuous extension): truncation O(eps^2) ~ 1e-12, roundoff ~1e-16 / eps ~ 1e-10
+    # of the value (measured 1.3e-10 to 8.7e-9 relative to the entry, the largest for
+    # the smallest entry; 3.9e-10 to 2.5e-8 with integrated outputs); bound 3e-7.
     ka, _ = neural_pair
     _, (g, _) = ka()
     eps = 1e-6
@@ -166,6 +172,34 @@ def test_float32_within_1e4_of_float64():
     _, g32 = vg32()
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(g32))
     assert tree_rel_err(g32, g64) < 1e-4
+
+
+def test_extension_outputs_at_the_edges_and_failed_rows_equal_the_jax_replay():
+    # Tsit5's continuous extension in the kernels (the default for ts), against the
+    # JAX replay's on one mesh where max_steps = 45 fails some trajectories (masked:
+    # zero outputs, zero gradients): outputs at t0, twice at one time, at a mesh point
+    # (theta = 0), inside steps and at t1 (the end state). Measured relative: outputs
+    # 1.1e-15, value 5.6e-16, gradients 1.9e-15; bound 1e-13, roundoff carried over
+    # the 37 steps with room for other machines' orders of operations.
+    prob = gs.problems.lorenz(n=4)
+    mesh = gs.record(prob, rtol=1e-6, atol=1e-9, max_steps=45, recorder="fused")
+    failed = np.asarray(mesh.status) != 0
+    assert failed.any() and not failed.all()
+    ok_row = int(np.flatnonzero(~failed)[0])
+    t_mesh = float(mesh.t0 + np.cumsum(np.asarray(mesh.h[ok_row]))[4])
+    ts = jnp.sort(jnp.array([0.0, 0.0, 0.2, 0.2, t_mesh, 0.7, 1.0]))
+    kw = dict(ts=ts, mesh=mesh, wrt="both", on_failure="mask")
+    ka = gs.value_and_grad(prob, _loss, engine="kernel_adjoint", **kw)
+    ref = gs.value_and_grad(prob, _loss, engine="general_replay", **kw)
+    assert ka.config.interpolate and ref.config.interpolate
+    ys_ka = gs.replay(prob, mesh, ts=ts, engine="kernel_adjoint")
+    ys_ref = gs.replay(prob, mesh, ts=ts)
+    assert rel_err(ys_ka[~failed], ys_ref[~failed]) < 1e-13
+    np.testing.assert_array_equal(ys_ka[:, 0][~failed], prob.y0[~failed])
+    (v, (gp, gy)), (v_ref, (gp_ref, gy_ref)) = ka(), ref()
+    assert rel_err(v, v_ref) < 1e-13
+    assert tree_rel_err(gp, gp_ref) < 1e-13 and rel_err(gy, gy_ref) < 1e-13
+    assert np.all(np.asarray(gy)[failed] == 0)
 
 
 def test_bit_identical_across_runs_and_thread_counts(neural, neural_pair, monkeypatch):
@@ -240,7 +274,7 @@ def test_jit_grad_through_gs_replay_with_the_kernel_adjoint(neural, neural_pair)
     g = eqx.filter_jit(eqx.filter_grad(lambda x: loss(*x)))((neural.params, neural.y0))
     _, g_ka = ka()
     assert tree_rel_err(_inexact(g), _inexact(g_ka)) < 1e-14
-    with pytest.raises(ValueError, match="neither interpolate nor remat"):
+    with pytest.raises(ValueError, match="takes no remat"):
         gs.replay(neural, ka.mesh, engine="kernel_adjoint", remat=True)
 
 

@@ -1,6 +1,8 @@
 """The router, table-driven: which engine serves which request (DESIGN.md section 4),
 and why the others were passed over."""
 
+import re
+
 import pytest
 
 import gradsolve as gs
@@ -11,8 +13,10 @@ from gradsolve.warp._registry import NOT_FUSED
 SMALL = "n = 0 < 256: the JAX replay is faster below that here (tsit5)"
 KA_METHODS = "the in-kernel adjoint runs ('tsit5', 'rosenbrock23')"
 NO_JACOBIAN = "the field has no hand-written Jacobian for the stiff fused kernel"
-INTEGRATED = ("its Warp kernels serve ts by an integrated step; interpolate=True runs on "
-              "the JAX replay")
+INTEGRATED = ("its Warp kernels serve ts by an integrated step (tsit5); interpolate=True "
+              "runs on the JAX replay")
+INTEGRATED_R23 = ("its Warp kernels serve ts by an integrated step (rosenbrock23); "
+                  "interpolate=True runs on the JAX replay")
 
 
 def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False, rtol=None, n=0,
@@ -54,13 +58,13 @@ def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False, rtol
                                  "Rodas5P serves it"}),
     (R(True, stiff=True, fused=True, jacobian=True, rtol=1e-8, method="rosenbrock23"),
      None, "kernel_adjoint", "rosenbrock23", {}),
-    # ts from the continuous extension: the JAX replay (fused_replay's gradient is
-    # one), never the Warp kernels that integrate a step to each output time
-    (R(True, fused=True, n=256, interpolate=True), None, "fused_replay", "tsit5",
-     {"kernel_adjoint": INTEGRATED}),
+    # ts from the continuous extension: the in-kernel adjoint serves Tsit5's; the
+    # fused solve kernel and the Rosenbrock23 kernels integrate a step to each output
+    # time, so the JAX replay (fused_replay's gradient is one) or Diffrax serves them
+    (R(True, fused=True, n=256, interpolate=True), None, "kernel_adjoint", "tsit5", {}),
     (R(False, fused=True, interpolate=True), None, "diffrax", "tsit5", {"fused": INTEGRATED}),
     (R(True, stiff=True, fused=True, jacobian=True, interpolate=True), None,
-     "fused_replay", "rosenbrock23", {"kernel_adjoint": INTEGRATED}),
+     "fused_replay", "rosenbrock23", {"kernel_adjoint": INTEGRATED_R23}),
     # gradient, any other field -> general_replay (Rodas5P when stiff)
     (R(True), None, "general_replay", "tsit5",
      {"kernel_adjoint": NOT_FUSED, "fused_replay": NOT_FUSED}),
@@ -90,7 +94,8 @@ def test_route_table(request_, engine, expected, method, passed):
     (R(True, fused=True), "fused", "forward only \\(gradients: 'fused_replay'\\)"),
     (R(True), "fused_replay", "f_jax has no fused form"),
     (R(False, d=100, fused=True), "fused", "d = 100 > 8: past the fused kernels' cutoff"),
-    (R(True, fused=True, interpolate=True), "kernel_adjoint", INTEGRATED),
+    (R(True, stiff=True, fused=True, jacobian=True, interpolate=True), "kernel_adjoint",
+     re.escape(INTEGRATED_R23)),
 ])
 def test_forced_engine_that_cannot_serve_names_the_reason(request_, engine, reason):
     with pytest.raises(ValueError, match=f"'{engine}' cannot serve this request: {reason}"):

@@ -24,7 +24,7 @@ from .problem import as_problem, field, param_axes
 from .status import Status
 
 # The replays by name other than the JAX replay below: `name -> run(prob, mesh, params,
-# y0, ts)`, registered by the engine that computes it when its module loads
+# y0, ts, interpolate)`, registered by the engine that computes it when its module loads
 # (engines/kernel_adjoint.py: the Warp kernels). The replay dispatches through this
 # table and so knows nothing of Warp.
 ENGINE_REPLAYS = {}
@@ -46,12 +46,12 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
             extension on the mesh step containing it where the extension's order is
             >= 3 (Tsit5, Rodas5P: no evaluation of the field beyond the mesh's steps),
             else INTEGRATED by one extra plain step from the last mesh point at or
-            before it (Rosenbrock23, Vern7, `engine="kernel_adjoint"`). True or False
-            ask for one of the two.
+            before it (Rosenbrock23, Vern7). True or False ask for one of the two.
         engine: None (the JAX replay) or `"kernel_adjoint"`: the same function
             computed by Warp kernels, its gradient by the Warp backward (Tsit5 and
-            Rosenbrock23 meshes of a field the translator accepts; `remat` and
-            `interpolate` do not apply).
+            Rosenbrock23 meshes of a field the translator accepts; its kernels serve
+            Tsit5's continuous extension, and integrate Rosenbrock23's outputs;
+            `remat` does not apply).
         devices, buckets, memory_budget: where the rows are replayed (as
             `gs.value_and_grad`; docs/scale.md): split over devices, grouped by the
             mesh's step counts, in chunks under the budget. Buckets need the mesh's
@@ -82,12 +82,12 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
             raise ValueError(f"engine must be None (the JAX replay) or "
                              f"{' or '.join(map(repr, sorted(ENGINE_REPLAYS)))}, "
                              f"got {engine!r}")
-        if interpolate or remat:
-            raise ValueError(f"engine={engine!r} takes neither interpolate nor remat "
-                             "(it stores one state per mesh point and recomputes stages)")
+        if remat:
+            raise ValueError(f"engine={engine!r} takes no remat (it stores one state per "
+                             "mesh point and recomputes stages)")
         if devices is not None and layout.size(layout.device_mesh(devices)) > 1:
             raise ValueError(f"engine={engine!r} runs on one device (devices=)")
-        return ENGINE_REPLAYS[engine](prob, mesh, params, y0, ts)
+        return ENGINE_REPLAYS[engine](prob, mesh, params, y0, ts, interpolate)
     if remat is None:
         remat = default_remat(method, prob.stiff, prob.d)
     interpolate = resolve_interpolate(method, interpolate, ts)

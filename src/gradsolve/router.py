@@ -76,9 +76,9 @@ def refusal(engine: Engine, request: Request) -> str | None:
     if request.interpolate and not methods.get(method).has_dense_output:
         return (f"interpolate=True needs a method with a continuous extension; "
                 f"{method!r} has none")
-    if request.interpolate and task not in engine.interpolates:
-        return ("its Warp kernels serve ts by an integrated step; interpolate=True runs "
-                "on the JAX replay")
+    if request.interpolate and not engine.interpolates_with(task, method):
+        return (f"its Warp kernels serve ts by an integrated step ({method}); "
+                f"interpolate=True runs on the JAX replay")
     return engine.supports(request)
 
 
@@ -195,5 +195,6 @@ def plan(prob, *, gradient: bool, engine=None, method=None, fused=None, mode="re
             raise ValueError(f"engine {chosen.name!r} cannot serve this problem: {why}")
         refused[chosen.name] = why
     return chosen, passed, make_config(prob, method=chosen_method, splits=chosen.splits,
-                                       interpolates=request.task in chosen.interpolates,
+                                       interpolates=chosen.interpolates_with(
+                                           request.task, chosen_method),
                                        **settings)

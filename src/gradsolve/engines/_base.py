@@ -96,8 +96,9 @@ class Engine(eqx.Module):
             layout.py), else why not: it then runs on one device by default, and the
             router refuses it several naming this.
         interpolates: the tasks on which it serves `ts` from the method's continuous
-            extension (`interpolate=True`); the Warp kernels integrate a step to each
-            output time instead.
+            extension (`interpolate=True`; `interpolates_with` refines it per
+            method); the fused solve kernel integrates a step to each output time
+            instead.
     """
 
     name: ClassVar[str]
@@ -120,6 +121,10 @@ class Engine(eqx.Module):
 
     def runs(self, method: str) -> bool:
         return method in self.methods
+
+    def interpolates_with(self, task: str, method: str) -> bool:
+        """Whether it serves `ts` from `method`'s continuous extension on `task`."""
+        return task in self.interpolates
 
     def default_method(self, request: Request) -> str:
         """The method this engine runs when the request names none."""

@@ -10,16 +10,19 @@ works inside `jit` and under `jax.grad` like the JAX replay -- the same conventi
 (the exact derivative of the replay on the recorded mesh, step sizes held fixed) and
 the same masking rule (a failed trajectory gives zero outputs and zero gradients).
 
-Reverse mode only; Tsit5 and Rosenbrock23 (its adjoint goes through W's inverse
-transposed and the Jacobian's own VJP). The field and its VJP are translated from the
+Reverse mode only; Tsit5 (outputs at `ts` from its continuous extension by default,
+or integrated) and Rosenbrock23 (its adjoint goes through W's inverse transposed and
+the Jacobian's own VJP; integrated outputs). The field and its VJP are translated from the
 JAX right-hand side (`warp/_translate.py`), so any field with a fused form that the
 translator accepts runs here, Equinox MLPs in `gs.Shared` included.
 """
 
 from typing import ClassVar
 
+from .. import methods
+from ..config import resolve_interpolate
 from ..replay import ENGINE_REPLAYS
-from ..warp import _adjoint, _runtime
+from ..warp import _adjoint, _runtime, _steps
 from .fused_replay import FusedReplay
 
 
@@ -41,9 +44,15 @@ class KernelAdjoint(FusedReplay):
     routes: ClassVar[tuple[str, ...]] = ("gradient",)
     methods: ClassVar[tuple[str, ...]] = ("tsit5", "rosenbrock23")
     named_by_recorder: ClassVar[bool] = False  # recorder="fused" means fused_replay
-    interpolates: ClassVar[tuple[str, ...]] = ()  # its Warp replay integrates to ts
+    interpolates: ClassVar[tuple[str, ...]] = ("gradient",)  # Tsit5: interpolates_with
     one_device: ClassVar[str] = ("its Warp kernels run in host calls, not split over "
                                  "devices; fused_replay splits its replay")
+
+    def interpolates_with(self, task, method):
+        """Its kernels serve `ts` from Tsit5's continuous extension; Rosenbrock23's
+        outputs are integrated (`_steps.has_kernel_extension`)."""
+        return (task in self.interpolates
+                and _steps.has_kernel_extension(methods.get(method)))
 
     def method_refusal(self, method):
         return f"the in-kernel adjoint runs {self.methods}, not {method!r}"
@@ -71,13 +80,15 @@ class KernelAdjoint(FusedReplay):
         return None
 
     def ys_function(self, prob, cfg, mode):
-        return _adjoint.replay_function(prob, cfg.method, cfg.ts)
+        return _adjoint.replay_function(prob, cfg.method, cfg.ts, cfg.interpolate)
 
 
-def _replay_on(prob, mesh, params, y0, ts):
+def _replay_on(prob, mesh, params, y0, ts, interpolate):
     """`gs.replay(..., engine="kernel_adjoint")`: the Warp forward and backward over
-    `mesh`."""
-    return _adjoint.replay_function(prob, mesh.method, ts)(mesh, params, y0)
+    `mesh`, `interpolate` resolved as for the engine."""
+    method = methods.get(mesh.method)
+    dense = resolve_interpolate(method, interpolate, ts, _steps.has_kernel_extension(method))
+    return _adjoint.replay_function(prob, mesh.method, ts, dense)(mesh, params, y0)
 
 
 ENGINE_REPLAYS[KernelAdjoint.name] = _replay_on

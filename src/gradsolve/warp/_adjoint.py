@@ -3,12 +3,15 @@
 `forward` runs one thread per trajectory over its (zero-padded) step sizes and keeps
 the accepted state at every mesh point, `(n, S + 1, d)`, and nothing per stage; with
 `ts`, each output is one extra plain step from the last mesh point at or before it,
-as the JAX replay does (`gradsolve.replay`). `backward` walks each trajectory's steps
+or (`forward_dense`, Tsit5) the continuous extension of the step containing it, the
+step's stages computed once for all its outputs -- as the JAX replay does either
+(`gradsolve.replay`). `backward` walks each trajectory's steps
 in reverse: it recomputes a step's stage points from the stored state and applies
 that step's vector-Jacobian product (`_steps.vjp_for_method`, written from the same
 tableau as the forward step), whose field part is the translation of `jax.vjp` of the
 field (`_translate.translate_vjp`) -- no Warp autodiff, no tape through a dynamic
-loop. The cotangents of the `ts` outputs enter at their base points.
+loop. The cotangents of integrated `ts` outputs enter at their base points; those of
+interpolated ones in their step's adjoint (`backward_dense`, `_steps.dense_vjp`).
 
 Memory: the stored states, `n (S + 1) d` numbers (the JAX replay's reverse sweep
 stores every stage of every step unless remat is on). The shared parameters'
@@ -128,11 +131,97 @@ _BACKWARD_BODY = """
 """
 
 
+_FORWARD_DENSE_BODY = """
+    i = wp.tid()
+    if i < m:
+        y = V()
+        for k in range(D):
+            y[k] = y0[i, k]
+            states[i, 0, k] = y[k]
+        t = t0
+        tgrid[i, 0] = t
+        j = int(0)
+        for c in range(width):
+            hc = h[i, c]
+            if hc > T(0.0):
+                # The outputs inside [t, t + hc), from this step's extension.
+                j0 = j
+                while j < n_ts and ts[j] < t + hc:
+                    base[i, j] = c
+                    j = j + 1
+                y = dense_advance(t, y, hc, ts, j0, j, ys_out, p, s, i)
+            t = t + hc
+            tgrid[i, c + 1] = t
+            for k in range(D):
+                states[i, c + 1, k] = y[k]
+        # The outputs at or after the last accepted point: its state.
+        b = n_steps[i]
+        while j < n_ts:
+            base[i, j] = b
+            for k in range(D):
+                ys_out[i, j, k] = states[i, b, k]
+            j = j + 1
+"""
+
+_BACKWARD_DENSE_BODY = """
+    i = wp.tid()
+    live = int(0)
+    if i < m:
+        live = ok[i]
+    if live == 1:
+        lam = V()
+        if n_ts == 0:
+            for k in range(D):
+                lam[k] = ct[i, 0, k]
+        j = n_ts - 1
+        for back in range(width + 1):
+            c = width - back
+            # The outputs at mesh point c with no step after it (the end): its state.
+            more = int(1)
+            while more == 1:
+                more = 0
+                if j >= 0:
+                    if base[i, j] == c:
+                        if c == width:
+                            more = 1
+                        elif h[i, c] == T(0.0):
+                            more = 1
+                if more == 1:
+                    for k in range(D):
+                        lam[k] = lam[k] + ct[i, j, k]
+                    j = j - 1
+            if c > 0:
+                hc = h[i, c - 1]
+                if hc > T(0.0):
+                    # The step c - 1 -> c and the outputs inside it, in one adjoint.
+                    j1 = j + 1
+                    more = int(1)
+                    while more == 1:
+                        more = 0
+                        if j >= 0:
+                            if base[i, j] == c - 1:
+                                more = 1
+                        if more == 1:
+                            j = j - 1
+                    yp = V()
+                    for k in range(D):
+                        yp[k] = states[i, c - 1, k]
+                    lam = dense_vjp(tgrid[i, c - 1], yp, hc, lam, ct, ts, j + 1, j1, p, s,
+                                    i, gp, gs)
+        for k in range(D):
+            g_y0[i, k] = lam[k]
+"""
+
+
 class Program(NamedTuple):
-    """The two kernels of one (field, method, d, dtype, parameter layout)."""
+    """The kernels of one (field, method, d, dtype, parameter layout): the forward and
+    backward with integrated outputs, and with outputs from the continuous extension
+    (None where the kernels have none for the method, `_steps.has_kernel_extension`)."""
 
     forward: object
     backward: object
+    forward_dense: object
+    backward_dense: object
     shared: tuple[bool, ...]  # per array leaf of the parameters (`_translate._flat`)
     digest: str  # of the kernels' source
 
@@ -154,13 +243,17 @@ def source(f_jax, params, y0, method) -> str:
             + (_translate.translate_vjp(f_jax, params, y0, of="jac") if stiff else "")
             + _steps.vjp_for_method(method)
             + "\n\n" + FORWARD.header("forward") + _FORWARD_BODY
-            + "\n\n" + BACKWARD.header("backward") + _BACKWARD_BODY)
+            + "\n\n" + BACKWARD.header("backward") + _BACKWARD_BODY
+            + ("\n\n" + FORWARD.header("forward_dense") + _FORWARD_DENSE_BODY
+               + "\n\n" + BACKWARD.header("backward_dense") + _BACKWARD_DENSE_BODY
+               if _steps.has_kernel_extension(method) else ""))
 
 
 @functools.cache
 def _load(text: str):
     module = _runtime.load(text)
-    return module.forward, module.backward
+    return (module.forward, module.backward, getattr(module, "forward_dense", None),
+            getattr(module, "backward_dense", None))
 
 
 # Generated sources per (f_jax, d, dtype, parameter layout, method): (text, why not).
@@ -202,8 +295,7 @@ def program(prob, method_name: str) -> Program:
     text, why = _source(prob, method_name)
     if text is None:
         raise _translate.UntranslatableField(why)
-    fwd, bwd = _load(text)
-    return Program(fwd, bwd, tuple(sh for _, sh in _translate._flat(prob.params)),
+    return Program(*_load(text), tuple(sh for _, sh in _translate._flat(prob.params)),
                    hashlib.sha256(text.encode()).hexdigest()[:20])
 
 
@@ -214,16 +306,16 @@ class Forward(NamedTuple):
     base: np.ndarray     # (n, max(J, 1)) int32
 
 
-def forward(prog: Program, h, n_steps, ok, t0, y0, leaves, ts) -> Forward:
+def forward(prog: Program, h, n_steps, ok, t0, y0, leaves, ts, dense=False) -> Forward:
     """The states over the mesh `h` (rows of failed trajectories, `ok` False, must
-    come with zero steps) and the outputs."""
+    come with zero steps) and the outputs (`dense`: from the continuous extension)."""
     dtype = np.dtype(y0.dtype)
     n, d = y0.shape
     width = h.shape[1]
     n_ts = 0 if ts is None else len(ts)
     P, S = _translate.pack_leaves(leaves, prog.shared, n)
     out = _launch.run(
-        prog.forward, FORWARD,
+        prog.forward_dense if dense else prog.forward, FORWARD,
         dict(y0=y0, p=P, s=S, h=h, n_steps=n_steps, ts=np.zeros(1) if ts is None else ts,
              n_ts=n_ts, t0=float(t0), width=width),
         n=n, dtype=dtype, lanes=1, budget=MEMORY_BUDGET,
@@ -233,17 +325,17 @@ def forward(prog: Program, h, n_steps, ok, t0, y0, leaves, ts) -> Forward:
     return Forward(np.where(ok, ys, 0).astype(dtype), out.states, out.tgrid, out.base)
 
 
-def backward(prog: Program, run: Forward, h, ok, ct, leaves, ts):
+def backward(prog: Program, run: Forward, h, ok, ct, leaves, ts, dense=False):
     """`(g_y0, g_leaves)`: the gradients of `sum(ct * ys)` with respect to `y0` and
     each parameter leaf (in `_translate._flat` order); failed trajectories give exact
-    zeros."""
+    zeros. `dense`: the outputs came from the continuous extension."""
     dtype = np.dtype(run.states.dtype)
     n, points, d = run.states.shape
     n_ts = 0 if ts is None else len(ts)
     ok = np.asarray(ok, bool)
     P, S = _translate.pack_leaves(leaves, prog.shared, n)
     out = _launch.run(
-        prog.backward, BACKWARD,
+        prog.backward_dense if dense else prog.backward, BACKWARD,
         dict(states=run.states, tgrid=run.tgrid, h=h, base=run.base,
              ct=ct.reshape(n, -1, d), ok=ok.astype(np.int32), p=P, s=S,
              ts=np.zeros(1) if ts is None else ts,
@@ -253,9 +345,11 @@ def backward(prog: Program, run: Forward, h, ok, ct, leaves, ts):
     return out.g_y0, _translate.unpack_leaves(out.gp, out.gs, leaves, prog.shared)
 
 
-def replay_function(prob, method_name: str, ts=None):
+def replay_function(prob, method_name: str, ts=None, interpolate=False):
     """The pure function `(mesh, params, y0) -> ys` of the in-kernel adjoint: final
-    states `(n, d)`, or `(n, len(ts), d)` with `ts`; a `jax.custom_vjp` whose forward
+    states `(n, d)`, or `(n, len(ts), d)` with `ts` (integrated by an extra step each,
+    or with `interpolate` from the method's continuous extension, the step's stages
+    computed once for all its outputs); a `jax.custom_vjp` whose forward
     and backward are the two kernels, called as host functions (`_jax.call`: XLA's FFI
     on the CPU; so it works under `jit` and `grad`). Failed trajectories (`mesh.status`) give exact zeros.
 
@@ -267,17 +361,23 @@ def replay_function(prob, method_name: str, ts=None):
     except _translate.UntranslatableField as err:
         raise ValueError(f"engine 'kernel_adjoint' cannot serve this problem: {err}") from None
     ts = None if ts is None else np.asarray(ts, np.dtype(prob.y0.dtype))
+    dense = bool(interpolate) and ts is not None
+    if dense and prog.forward_dense is None:
+        raise ValueError(f"engine 'kernel_adjoint' serves ts from the continuous extension "
+                         f"of explicit Runge--Kutta methods only, not {method_name!r}: "
+                         f"interpolate=False integrates its outputs")
     # What the host calls compute: the kernels, the output times, the leaves' types.
     name = (f"kernel_adjoint:{prog.digest}:"
-            f"{'' if ts is None else hashlib.sha256(ts.tobytes()).hexdigest()[:20]}")
+            f"{'' if ts is None else hashlib.sha256(ts.tobytes()).hexdigest()[:20]}"
+            f"{':dense' if dense else ''}")
 
     def host_forward(h, n_steps, ok, t0, y0, *leaves):
-        run = forward(prog, h, n_steps, ok, float(t0), y0, list(leaves), ts)
+        run = forward(prog, h, n_steps, ok, float(t0), y0, list(leaves), ts, dense)
         return run.ys, run.states, run.tgrid, run.base
 
     def host_backward(states, tgrid, base, h, ok, ct, *leaves):
         g_y0, grads = backward(prog, Forward(None, states, tgrid, base), h, ok, ct,
-                               list(leaves), ts)
+                               list(leaves), ts, dense)
         return (g_y0, *[g for g in grads if jnp.issubdtype(g.dtype, jnp.inexact)])
 
     def forward_call(h, n_steps, ok, t0, y0, leaves):

@@ -190,6 +190,33 @@ def plain(t: T, y: V, h: T, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int
 '''
 
 
+def _stage_points(tab, lo: int, hi: int, indent: str) -> list[str]:
+    """Stage points `Y_j = y + h sum_{l<j} a_jl k_l` for `lo <= j < hi`, with their
+    slopes `k_j` for all but the last (whose slope feeds no later stage)."""
+    names = [f"k{j}" for j in range(hi)]
+    lines = []
+    for j in range(lo, hi):
+        lines.append(f"{indent}Y{j} = y + h * ({_combo(tab.a_lower[j - 1][:j], names[:j])})")
+        if j < hi - 1:
+            lines.append(f"{indent}k{j} = field(t + {lit(tab.c[j - 1])} * h, Y{j}, p, s, i)")
+    return lines
+
+
+def _walk_back(tab, hi: int, lo: int, indent: str) -> list[str]:
+    """The reverse walk over stages `hi - 1` down to `lo >= 1`: `adj(Y_j) =
+    field_vjp(Y_j, adj(k_j))` added to `y`'s adjoint and passed on to the slopes it
+    was built from, `adj(k_l) += h a_jl adj(Y_j)`."""
+    lines = []
+    for j in range(hi - 1, lo - 1, -1):
+        lines.append(f"{indent}aY = field_vjp(t + {lit(tab.c[j - 1])} * h, Y{j}, ak{j}, "
+                     f"p, s, i, gp, gs)")
+        lines.append(f"{indent}adj = adj + aY")
+        for l, a in enumerate(tab.a_lower[j - 1][:j]):
+            if a != 0:
+                lines.append(f"{indent}ak{l} = ak{l} + (h * {lit(a)}) * aY")
+    return lines
+
+
 def _erk_step_vjp(tab) -> str:
     """`step_vjp(t, y, h, lam, ...) -> V`: `lam^T d(plain step)/dy`, adding the
     parameters' part into `gp`/`gs` through `field_vjp` (`_translate.translate_vjp`).
@@ -200,26 +227,17 @@ def _erk_step_vjp(tab) -> str:
     a_ij adj(Y_i)`, `adj(Y_j) = field_vjp(Y_j, adj(k_j))` -- and returns
     `lam + sum_j adj(Y_j)`. Nothing per stage is stored between steps."""
     n = int(np.flatnonzero(tab.b)[-1]) + 1
-    names = [f"k{j}" for j in range(n)]
     lines = ["", "", "@wp.func",
              "def step_vjp(t: T, y: V, h: T, lam: V, p: wp.array2d(dtype=T), "
              "s: wp.array(dtype=T), i: int, gp: wp.array2d(dtype=T), "
              "gs: wp.array2d(dtype=T)) -> V:",
              "    k0 = field(t, y, p, s, i)"]
-    for j in range(1, n):
-        lines.append(f"    Y{j} = y + h * ({_combo(tab.a_lower[j - 1][:j], names[:j])})")
-        if j < n - 1:  # the last stage's slope feeds no later stage
-            lines.append(f"    k{j} = field(t + {lit(tab.c[j - 1])} * h, Y{j}, p, s, i)")
+    lines += _stage_points(tab, 1, n, "    ")
     for j in range(n):
         lines.append(f"    ak{j} = (h * {lit(tab.b[j])}) * lam" if tab.b[j] != 0
                      else f"    ak{j} = V()")
     lines.append("    adj = lam")
-    for j in range(n - 1, 0, -1):
-        lines.append(f"    aY = field_vjp(t + {lit(tab.c[j - 1])} * h, Y{j}, ak{j}, p, s, i, gp, gs)")
-        lines.append("    adj = adj + aY")
-        for l, a in enumerate(tab.a_lower[j - 1][:j]):
-            if a != 0:
-                lines.append(f"    ak{l} = ak{l} + (h * {lit(a)}) * aY")
+    lines += _walk_back(tab, n, 1, "    ")
     lines.append("    adj = adj + field_vjp(t, y, ak0, p, s, i, gp, gs)")
     lines.append("    return adj")
     return "\n".join(lines) + "\n"
@@ -265,10 +283,114 @@ def _rosenbrock23_step_vjp(method: Rosenbrock23) -> str:
     return _ROSENBROCK23_STEP_VJP.format(gamma=lit(method.tableau.d))
 
 
+def has_kernel_extension(method) -> bool:
+    """Whether the kernels serve `ts` from `method`'s continuous extension: explicit
+    Runge--Kutta methods with one (Tsit5). Rosenbrock23's order-2 extension is not
+    built into the kernels (the default integrates its outputs everywhere)."""
+    return isinstance(method, ExplicitRungeKutta) and method.has_dense_output
+
+
+def _dense_weights(tab, indent: str) -> list[str]:
+    """Statements `w{i} = b_i(theta)` (Horner) for every stage with a nonzero weight
+    in the continuous extension `tab.dense`: `b_i(theta) = sum_m dense[i, m]
+    theta^(m+1)`."""
+    lines = []
+    for i, row in enumerate(tab.dense):
+        if np.any(row != 0):
+            poly = lit(row[-1])
+            for c in row[-2::-1]:
+                poly = f"({lit(c)} + theta * {poly})"
+            lines.append(f"{indent}w{i} = theta * {poly}")
+    return lines
+
+
+def _dense_stages(tab):
+    """`(n, used)`: the stages the plain step needs, and those the extension weighs."""
+    n = int(np.flatnonzero(tab.b)[-1]) + 1
+    used = [i for i, row in enumerate(tab.dense) if np.any(row != 0)]
+    return n, used
+
+
+def _erk_dense_advance(tab) -> str:
+    """`dense_advance(t, y, h, ts, j0, j1, ys_out, p, s, i) -> V`: the plain step of
+    size `h` from `(t, y)`, and the outputs `ts[j0:j1]` inside it written to
+    `ys_out[i]` from the step's own stages, `y + h sum_l b_l(theta) k_l` (the same
+    continuous extension as `ExplicitRungeKutta.interpolate`). The stages after the
+    plain step's last (Tsit5's FSAL slope at the new state) are evaluated only for a
+    step that holds outputs."""
+    n, used = _dense_stages(tab)
+    s = tab.stages
+    names = [f"k{j}" for j in range(s)]
+    lines = ["", "", "@wp.func",
+             "def dense_advance(t: T, y: V, h: T, ts: wp.array(dtype=T), j0: int, j1: int, "
+             "ys_out: wp.array3d(dtype=T), p: wp.array2d(dtype=T), s: wp.array(dtype=T), "
+             "i: int) -> V:",
+             "    k0 = field(t, y, p, s, i)"]
+    for j in range(1, n):
+        arg = _combo(tab.a_lower[j - 1], names[:j])
+        lines.append(f"    k{j} = field(t + {lit(tab.c[j - 1])} * h, y + h * ({arg}), p, s, i)")
+    lines.append(f"    y_new = y + h * ({_combo(tab.b[:n], names[:n])})")
+    lines.append("    if j1 > j0:")
+    for j in range(n, s):
+        arg = _combo(tab.a_lower[j - 1], names[:j])
+        lines.append(f"        k{j} = field(t + {lit(tab.c[j - 1])} * h, y + h * ({arg}), "
+                     f"p, s, i)")
+    lines.append("        for j in range(j0, j1):")
+    lines.append("            theta = (ts[j] - t) / h")
+    lines += _dense_weights(tab, "            ")
+    lines.append(f"            out = y + h * ({' + '.join(f'w{l} * k{l}' for l in used)})")
+    lines.append("            for k in range(D):")
+    lines.append("                ys_out[i, j, k] = out[k]")
+    lines.append("    return y_new")
+    return "\n".join(lines) + "\n"
+
+
+def _erk_dense_vjp(tab) -> str:
+    """`dense_vjp(t, y, h, lam, ct, ts, j0, j1, ...) -> V`: the adjoint of
+    `dense_advance` -- `lam` the cotangent of the step's new state and `ct[i, j]` those
+    of its outputs `j0 <= j < j1` -- in one reverse walk over the stages, as
+    `step_vjp`: each output adds `ct_j` to `y`'s adjoint and `h b_l(theta_j) ct_j` to
+    stage l's slope's, beside the step's `h b_l lam`; the stages only the outputs
+    weigh are walked only for a step that holds outputs."""
+    n, used = _dense_stages(tab)
+    s = tab.stages
+    lines = ["", "", "@wp.func",
+             "def dense_vjp(t: T, y: V, h: T, lam: V, ct: wp.array3d(dtype=T), "
+             "ts: wp.array(dtype=T), j0: int, j1: int, p: wp.array2d(dtype=T), "
+             "s: wp.array(dtype=T), i: int, gp: wp.array2d(dtype=T), "
+             "gs: wp.array2d(dtype=T)) -> V:",
+             "    k0 = field(t, y, p, s, i)"]
+    lines += _stage_points(tab, 1, n, "    ")
+    for j in range(s):
+        lines.append(f"    ak{j} = (h * {lit(tab.b[j])}) * lam" if j < n and tab.b[j] != 0
+                     else f"    ak{j} = V()")
+    lines.append("    adj = lam")
+    lines.append("    if j1 > j0:")
+    lines.append(f"        k{n - 1} = field(t + {lit(tab.c[n - 2])} * h, Y{n - 1}, p, s, i)")
+    lines += _stage_points(tab, n, s, "        ")
+    lines.append("        for j in range(j0, j1):")
+    lines.append("            theta = (ts[j] - t) / h")
+    lines += _dense_weights(tab, "            ")
+    lines.append("            ctj = V()")
+    lines.append("            for k in range(D):")
+    lines.append("                ctj[k] = ct[i, j, k]")
+    lines.append("            adj = adj + ctj")
+    for l in used:
+        lines.append(f"            ak{l} = ak{l} + (h * w{l}) * ctj")
+    lines += _walk_back(tab, s, n, "        ")
+    lines += _walk_back(tab, n, 1, "    ")
+    lines.append("    adj = adj + field_vjp(t, y, ak0, p, s, i, gp, gs)")
+    lines.append("    return adj")
+    return "\n".join(lines) + "\n"
+
+
 def vjp_for_method(method) -> str:
-    """The plain step and its adjoint, for the kernels of `kernel_adjoint`."""
+    """The plain step and its adjoint, for the kernels of `kernel_adjoint`; with a
+    continuous extension (`has_kernel_extension`), `dense_advance` and `dense_vjp`."""
     if isinstance(method, ExplicitRungeKutta):
-        return _erk_plain(method.tableau) + _erk_step_vjp(method.tableau)
+        dense = (_erk_dense_advance(method.tableau) + _erk_dense_vjp(method.tableau)
+                 if has_kernel_extension(method) else "")
+        return _erk_plain(method.tableau) + _erk_step_vjp(method.tableau) + dense
     if isinstance(method, Rosenbrock23):
         return _rosenbrock23_plain(method) + _rosenbrock23_step_vjp(method)
     raise ValueError(f"the in-kernel adjoint runs explicit Runge--Kutta methods and "
