@@ -13,8 +13,6 @@ from gradsolve.warp._registry import NOT_FUSED
 SMALL = "n = 0 < 256: the JAX replay is faster below that here (tsit5)"
 KA_METHODS = "the in-kernel adjoint runs ('tsit5', 'rosenbrock23')"
 NO_JACOBIAN = "the field has no hand-written Jacobian for the stiff fused kernel"
-INTEGRATED = ("its Warp kernels serve ts by an integrated step (tsit5); interpolate=True "
-              "runs on the JAX replay")
 INTEGRATED_R23 = ("its Warp kernels serve ts by an integrated step (rosenbrock23); "
                   "interpolate=True runs on the JAX replay")
 
@@ -58,11 +56,11 @@ def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False, rtol
                                  "Rodas5P serves it"}),
     (R(True, stiff=True, fused=True, jacobian=True, rtol=1e-8, method="rosenbrock23"),
      None, "kernel_adjoint", "rosenbrock23", {}),
-    # ts from the continuous extension: the in-kernel adjoint serves Tsit5's; the
-    # fused solve kernel and the Rosenbrock23 kernels integrate a step to each output
-    # time, so the JAX replay (fused_replay's gradient is one) or Diffrax serves them
+    # ts from the continuous extension: the kernels serve Tsit5's; the Rosenbrock23
+    # kernels integrate a step to each output time, so the JAX replay (fused_replay's
+    # gradient is one) or the general engine serves them
     (R(True, fused=True, n=256, interpolate=True), None, "kernel_adjoint", "tsit5", {}),
-    (R(False, fused=True, interpolate=True), None, "diffrax", "tsit5", {"fused": INTEGRATED}),
+    (R(False, fused=True, interpolate=True), None, "fused", "tsit5", {}),
     (R(True, stiff=True, fused=True, jacobian=True, interpolate=True), None,
      "fused_replay", "rosenbrock23", {"kernel_adjoint": INTEGRATED_R23}),
     # gradient, any other field -> general_replay (Rodas5P when stiff)

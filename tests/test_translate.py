@@ -105,14 +105,15 @@ def sir_registered():
 
 
 def test_registered_user_field_runs_fused_and_matches_general(sir_registered):
-    # Same steps and the same integrated step to each output (the kernel's way; asked
-    # of the general engine by interpolate=False), states componentwise to roundoff
+    # Same steps and the same integrated step to each output (interpolate=False on
+    # both: the kernel's other way to serve ts), states componentwise to roundoff
     # (measured 1.8e-15; bound ~10x).
     prob = _sir_problem()
     ts = np.linspace(0.0, 10.0, 5)
-    fused = gs.solve(prob, rtol=1e-8, atol=1e-10, ts=ts)
+    fused = gs.solve(prob, rtol=1e-8, atol=1e-10, ts=ts, interpolate=False)
     general = gs.solve(prob, rtol=1e-8, atol=1e-10, ts=ts, engine="general",
                        interpolate=False)
+    assert not fused.interpolated and not general.interpolated
     assert fused.engine == "fused" and fused.ok
     np.testing.assert_array_equal(fused.n_accepted, general.n_accepted)
     assert rel_err_componentwise(fused.ys, general.ys) < 2e-14

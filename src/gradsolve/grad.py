@@ -216,11 +216,11 @@ def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=
             methods, for stiff ones from 16 variables on).
         interpolate: how `ts` is served. None (default): from the method's
             continuous extension where it has one of order >= 3 (Tsit5, Rodas5P) and
-            the engine serves it (the JAX replay and Diffrax; no evaluation of the field
-            beyond the mesh's steps), else by one extra integrated step per output
-            (Rosenbrock23, Vern7, the Warp kernels). True asks for the extension (any
-            method with one), False for the integrated step (docs/gradients.md compares
-            their accuracy).
+            the engine serves it (the JAX replay, Diffrax, the Warp kernels for Tsit5;
+            no evaluation of the field beyond the mesh's steps), else by one extra
+            integrated step per output (Rosenbrock23, Vern7). True asks for the
+            extension (any method with one), False for the integrated step
+            (docs/gradients.md compares their accuracy).
         mesh: differentiate on this mesh instead of recording one.
         fused: None lets the router choose; True asks for a Warp engine
             (`fused_replay`), with an error saying why if none can serve; False keeps

@@ -95,8 +95,8 @@ def solve(prob, *, rtol=1e-6, atol=1e-9, method=None, engine=None, ts=None, dtyp
         max_steps: cap on attempted steps per trajectory.
         dt0: first step (default: Hairer & Wanner's rule per trajectory).
         interpolate: how `ts` is served, as in `gs.value_and_grad` (None: Tsit5's and
-            Rodas5P's continuous extension on the JAX engines and Diffrax, else an
-            integrated step per output); `.interpolated` on the result says which.
+            Rodas5P's continuous extension, else an integrated step per output);
+            `.interpolated` on the result says which.
         fused: None lets the router choose; True asks for the Warp engine (an error
             says why if it cannot serve); False keeps the solve off every Warp engine.
         throw: raise `gs.TrajectoryFailure` if a trajectory failed (as Diffrax's

@@ -9,6 +9,8 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
+from .. import methods
+from ..warp import _steps
 from ..warp._fused import run_fused
 from ._base import Engine, Solves
 
@@ -30,6 +32,15 @@ class FusedEngine(Engine):
 
     methods: ClassVar[tuple[str, ...]] = FUSED_METHODS
     warp: ClassVar[bool] = True
+    interpolates: ClassVar[tuple[str, ...]] = ("solve",)
+
+    def interpolates_with(self, task, method):
+        """The solve kernel serves `ts` from Tsit5's continuous extension and integrates
+        Rosenbrock23's outputs (`_steps.has_kernel_extension`); a gradient follows
+        `interpolates` (the JAX replay serves every method's extension)."""
+        if task == "solve":
+            return _steps.has_kernel_extension(methods.get(method))
+        return task in self.interpolates
 
     def method_refusal(self, method):
         return f"the fused kernels run {FUSED_METHODS}, not {method!r}"
@@ -43,5 +54,4 @@ class Fused(FusedEngine, Solves):
 
     name: ClassVar[str] = "fused"
     routes: ClassVar[tuple[str, ...]] = ("solve",)
-    interpolates: ClassVar[tuple[str, ...]] = ()
     gradients_by: ClassVar[str] = "fused_replay"

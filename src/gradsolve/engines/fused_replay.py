@@ -17,9 +17,9 @@ class FusedReplay(FusedEngine, Solves, Records, Differentiates):
     name: ClassVar[str] = "fused_replay"
     routes: ClassVar[tuple[str, ...]] = ("gradient",)
     recorder: ClassVar[str] = "fused"
-    # Its gradient replays in JAX (continuous extension and all); its forward solve is
-    # the fused kernel, which integrates a step to each output time.
-    interpolates: ClassVar[tuple[str, ...]] = ("gradient",)
+    # Its gradient replays in JAX (every method's continuous extension); its forward
+    # solve is the fused kernel (Tsit5's: FusedEngine.interpolates_with).
+    interpolates: ClassVar[tuple[str, ...]] = ("solve", "gradient")
 
     def record(self, prob, cfg, params=None, y0=None):
         out = run_fused(prob, cfg, record=True, params=params, y0=y0)

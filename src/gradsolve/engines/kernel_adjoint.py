@@ -44,13 +44,14 @@ class KernelAdjoint(FusedReplay):
     routes: ClassVar[tuple[str, ...]] = ("gradient",)
     methods: ClassVar[tuple[str, ...]] = ("tsit5", "rosenbrock23")
     named_by_recorder: ClassVar[bool] = False  # recorder="fused" means fused_replay
-    interpolates: ClassVar[tuple[str, ...]] = ("gradient",)  # Tsit5: interpolates_with
+    interpolates: ClassVar[tuple[str, ...]] = ("solve", "gradient")  # Tsit5 only
     one_device: ClassVar[str] = ("its Warp kernels run in host calls, not split over "
                                  "devices; fused_replay splits its replay")
 
     def interpolates_with(self, task, method):
-        """Its kernels serve `ts` from Tsit5's continuous extension; Rosenbrock23's
-        outputs are integrated (`_steps.has_kernel_extension`)."""
+        """Its kernels (solve and gradient) serve `ts` from Tsit5's continuous
+        extension; Rosenbrock23's outputs are integrated
+        (`_steps.has_kernel_extension`)."""
         return (task in self.interpolates
                 and _steps.has_kernel_extension(methods.get(method)))
 

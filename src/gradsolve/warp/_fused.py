@@ -74,6 +74,7 @@ def run_fused(prob, cfg, *, record=False, params=None, y0=None):
     n_ts = 0 if cfg.ts is None else len(cfg.ts)
     values = dict(y0=y0, p=P, s=S, t_first=t_first,
                   ts=np.zeros(1) if cfg.ts is None else cfg.ts, n_ts=n_ts,
+                  interp=int(bool(cfg.interpolate) and n_ts > 0),
                   t0=t0, t1=t1, floor=float(control.t1_snap_floor(np.asarray(t1, dtype))),
                   rtol=cfg.rtol, atol=cfg.atol, max_steps=cfg.max_steps)
     kernel = kernel_for(prob, method, dtype)

@@ -4,9 +4,10 @@ A kernel is generated once per (method, field, d, dtype, lanes per thread) as Py
 source text: the module header (types `T`, `V`, `M`, `D`), the field (`_registry`),
 the step control and step bodies written from the method (`_steps`), and a skeleton
 that runs whole adaptive solves per thread: trial steps, error norm, accept/reject,
-step size, the requested outputs `ts` (one extra plain step from the preceding
-accepted point, as the JAX replay does), and -- when recording -- each accepted step
-size. The skeleton's parameters are data (`SOLVE`, a `_launch.Signature`): the same
+step size, the requested outputs `ts` (the continuous extension of the accepted step
+containing each, from its trial stages, or one extra plain step from the preceding
+accepted point: as the JAX replay does either), and -- when recording -- each
+accepted step size. The skeleton's parameters are data (`SOLVE`, a `_launch.Signature`): the same
 object writes its header and drives its launch.
 
 Loops are kept dynamic (`max_unroll = 0`): unrolled Gauss--Jordan elimination at
@@ -44,10 +45,12 @@ D = {d}
 
 
 # The solve kernel's parameters. `width`: step sizes kept per trajectory (0: none);
-# `n_ts`: requested outputs (`ys_out` keeps at least one row so its shape is valid).
+# `n_ts`: requested outputs (`ys_out` keeps at least one row so its shape is valid);
+# `interp`: 1 serves them from the method's continuous extension (where the kernel
+# has one, `_steps.kernel_extension`), 0 by an extra plain step each.
 SOLVE = _launch.Signature((
     per_trajectory("y0", "d"), per_trajectory("p", "columns"), shared("s"),
-    per_trajectory("t_first"), shared("ts"), scalar("n_ts", INT),
+    per_trajectory("t_first"), shared("ts"), scalar("n_ts", INT), scalar("interp", INT),
     scalar("t0"), scalar("t1"), scalar("floor"), scalar("rtol"), scalar("atol"),
     scalar("max_steps", INT), scalar("width", INT), count("m"),
     output("h_out", "width"), output("y_out", "d"), output("ys_out", "n_ts", "d"),
@@ -56,8 +59,9 @@ SOLVE = _launch.Signature((
 ))
 
 
-def _in_lane(statement: str, names, lane: int) -> str:
-    """`statement` with each of `names` renamed to lane `lane`'s copy (`y` -> `y_1`)."""
+def _in_lane(statement: str, names, lane) -> str:
+    """`statement` with each of `names` renamed to lane `lane`'s copy (`y` -> `y_1`;
+    lane "L_": the templates' placeholder, `y_L_`)."""
     pattern = r"\b(" + "|".join(sorted(names, key=len, reverse=True)) + r")\b"
     return re.sub(pattern, lambda m: f"{m.group(1)}_{lane}", statement)
 
@@ -110,9 +114,10 @@ _LANE_CONTROL = """
             h_next_L_ = h_L_ * step_factor(ratio_L_, accept_L_)
             t_new_L_ = t_L_
             if accept_L_ == 1:
-                # Outputs inside [t, t + h): one extra plain step from the accepted point.
+                # Outputs inside [t, t + h): one extra plain step from the accepted
+                # point, or the continuous extension of the step just accepted.
                 while j_L_ < n_ts and ts[j_L_] < t_next_L_:
-                    extra_L_ = plain(t_L_, y_L_, ts[j_L_] - t_L_, p, s, i_L_)
+{inside}
                     for k in range(D):
                         ys_out[i_L_, j_L_, k] = extra_L_[k]
                     j_L_ = j_L_ + 1
@@ -149,7 +154,7 @@ _LANE_CONTROL = """
 _LANE_FINISH = """
     if base + _N_ < m:
         while j_L_ < n_ts:
-            extra_L_ = plain(t_L_, y_L_, ts[j_L_] - t_L_, p, s, i_L_)
+{after}
             for k in range(D):
                 ys_out[i_L_, j_L_, k] = extra_L_[k]
             j_L_ = j_L_ + 1
@@ -161,9 +166,30 @@ _LANE_FINISH = """
 """
 
 
-def _solve_kernel(trial: list[str], lanes: int) -> str:
+_PLAIN_OUTPUT = "extra_L_ = plain(t_L_, y_L_, ts[j_L_] - t_L_, p, s, i_L_)"
+
+
+def _outputs(trial: list[str], extension: list[str] | None) -> dict[str, str]:
+    """The statements that compute `extra`, an output at `ts[j]`: inside the accepted
+    step (`inside`) and at or after the last accepted point (`after`). With the
+    method's continuous extension (statements over the trial step's stages), both
+    choose at run time by `interp`; after the last point the extension gives the
+    state itself, as the JAX replay's does."""
+    if extension is None:
+        return {"inside": " " * 20 + _PLAIN_OUTPUT, "after": " " * 12 + _PLAIN_OUTPUT}
+    names = {"t", "y", "h", "j"} | {line.split(" = ")[0] for line in trial + extension}
+    dense = [_in_lane(line, names, "L_") for line in extension]
+    inside = ["extra_L_ = y_L_", "if interp == 1:", *("    " + x for x in dense),
+              "else:", "    " + _PLAIN_OUTPUT]
+    after = ["extra_L_ = y_L_", "if interp == 0:", "    " + _PLAIN_OUTPUT]
+    return {"inside": "\n".join(" " * 20 + x for x in inside),
+            "after": "\n".join(" " * 12 + x for x in after)}
+
+
+def _solve_kernel(trial: list[str], lanes: int, extension=None) -> str:
     codes = dict(success=int(Status.SUCCESS), nonfinite=int(Status.NONFINITE),
-                 underflow=int(Status.DT_UNDERFLOW), max_steps_code=int(Status.MAX_STEPS))
+                 underflow=int(Status.DT_UNDERFLOW), max_steps_code=int(Status.MAX_STEPS),
+                 **_outputs(trial, extension))
 
     def each(template):
         text = template.format(**codes)
@@ -182,4 +208,4 @@ def kernel_source(method, field_source: str, d: int, bits: int, lanes: int = 1) 
     """The whole generated module for one (method, field, d, dtype, lanes per thread)."""
     trial, plain = _steps.for_method(method)
     return (header(d, bits) + "\n" + field_source + _steps.control_source(method, d)
-            + plain + _solve_kernel(trial, lanes))
+            + plain + _solve_kernel(trial, lanes, _steps.kernel_extension(method)))

@@ -311,6 +311,18 @@ def _dense_stages(tab):
     return n, used
 
 
+def kernel_extension(method) -> list[str] | None:
+    """Statements from a trial step's stages `k0..k{s-1}` (of size `h` from `(t, y)`)
+    and an output time `ts[j]` inside it to `extra`, the continuous extension there;
+    None where the kernels have none for `method` (`has_kernel_extension`)."""
+    if not has_kernel_extension(method):
+        return None
+    tab = method.tableau
+    _, used = _dense_stages(tab)
+    return ["theta = (ts[j] - t) / h", *_dense_weights(tab, ""),
+            f"extra = y + h * ({' + '.join(f'w{l} * k{l}' for l in used)})"]
+
+
 def _erk_dense_advance(tab) -> str:
     """`dense_advance(t, y, h, ts, j0, j1, ys_out, p, s, i) -> V`: the plain step of
     size `h` from `(t, y)`, and the outputs `ts[j0:j1]` inside it written to
