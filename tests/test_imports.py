@@ -136,8 +136,10 @@ def test_no_import_cycle():
                                                            "gradsolve.fields"))}:
         assert not graph[name] & upper, (name, graph[name] & upper)
     # and the generic core knows nothing of Warp (issue 22): the in-kernel adjoint's
-    # replay registers itself with replay.py from engines/kernel_adjoint.py
-    for name in ("gradsolve.replay", "gradsolve.config", "gradsolve.engines._base"):
+    # replay registers itself with replay.py from engines/kernel_adjoint.py, and the
+    # Warp engines' routing rules live with them (engines/fused.py)
+    for name in ("gradsolve.replay", "gradsolve.config", "gradsolve.engines._base",
+                 "gradsolve.router"):
         assert not {m for m in graph[name] if m.startswith("gradsolve.warp")}, \
             (name, graph[name])
 

@@ -9,9 +9,11 @@ the same rule, else `diffrax` (Tsit5 problems), else `general`.
 
 The rules every engine obeys are here, once: the task (solve / gradient), the method
 (`methods.default_for` picks it when none is named), the continuous extension for
-`interpolate=True`, and for the Warp engines the fused form, the caller's `fused=`,
-the dtype, the d cutoff and the tolerance below which Rosenbrock23 is not chosen;
-and several devices only for an engine that splits (`Engine.one_device`).
+`interpolate=True`, and several devices only for an engine that splits
+(`Engine.one_device`). A family's own rules are asked through the engine hooks
+(`Engine.admits`, `refuses_method`, `supports`; the Warp engines' fused form, dtype, d
+cutoff and Rosenbrock23 rules live in engines/fused.py), and what they read off the
+problem comes from `Engine.describe`: the router knows nothing of Warp.
 """
 
 import equinox as eqx
@@ -22,38 +24,6 @@ from . import layout, methods
 from .config import check_interpolate, make_config
 from .engines import ENGINES, Engine, Request
 from .problem import _is_shared
-from .warp import _runtime
-from .warp._registry import NOT_FUSED, fused_form
-
-
-# The state-dimension cutoff of the Warp engines, per Warp device. On a GPU the limit
-# is the per-thread register file (the design's 64 keeps far inside it); on this
-# project's 2-core CPU the fused kernel stops beating the batched JAX engine between
-# d = 8 and d = 16 (benchmarks/fused_forward.py, docs/benchmarks.md).
-FUSED_MAX_D = {"cuda": 64, "cpu": 8}
-# Below this rtol a stiff request without a named method leaves the Warp engines: at
-# rtol 1e-10 Rosenbrock23 ran past 4096 steps on Robertson where Rodas5P took ~100.
-ROSENBROCK23_MIN_RTOL = 1e-6
-WARP_DTYPES = ("float32", "float64")
-
-
-def _warp_refusal(request: Request) -> str | None:
-    """Why no Warp engine may run `request` (before its method is known), or None."""
-    if request.warp is False:
-        return "fused=False keeps the request off the Warp engines"
-    if not request.fused:
-        return request.fused_why or NOT_FUSED
-    if request.dtype not in WARP_DTYPES:
-        return f"the fused kernels run {WARP_DTYPES}, not {request.dtype}"
-    device = _runtime.device()
-    limit = FUSED_MAX_D[device]
-    if request.d > limit:
-        return f"d = {request.d} > {limit}: past the fused kernels' cutoff on the {device} device"
-    if request.method is None and request.stiff and request.rtol is not None \
-            and request.rtol < ROSENBROCK23_MIN_RTOL:
-        return (f"the fused stiff method, second-order Rosenbrock23, needs too many steps "
-                f"at rtol < {ROSENBROCK23_MIN_RTOL:g}: the general path's Rodas5P serves it")
-    return None
 
 
 def refusal(engine: Engine, request: Request) -> str | None:
@@ -64,15 +34,13 @@ def refusal(engine: Engine, request: Request) -> str | None:
             hint = f" (gradients: {engine.gradients_by!r})" if engine.gradients_by else ""
             return "forward only" + hint
         return f"it does not serve {task}s"
-    if engine.warp and (why := _warp_refusal(request)) is not None:
+    if (why := engine.admits(request)) is not None:
         return why
     if request.devices > 1 and not engine.splits:
         return f"one device only ({engine.one_device})"
     method = request.method or engine.default_method(request)
-    if not engine.runs(method):
-        return engine.method_refusal(method)
-    if engine.warp and method == "rosenbrock23" and not request.jacobian:
-        return "the field has no hand-written Jacobian for the stiff fused kernel"
+    if (why := engine.refuses_method(method, request)) is not None:
+        return why
     if request.interpolate and not methods.get(method).has_dense_output:
         return (f"interpolate=True needs a method with a continuous extension; "
                 f"{method!r} has none")
@@ -158,11 +126,13 @@ def _holds_module(params) -> bool:
 def request_for(prob, *, gradient: bool, method=None, rtol=None, mode="reverse",
                 interpolate=None, ts=False, fused=None, devices=None) -> Request:
     """The router's view of a call: the problem's stiffness, dimension, dtype and
-    parameters, whether its field has a fused form (and a Jacobian), what is asked."""
-    form, why = fused_form(prob) if fused is not False else (None, None)
+    parameters, what the engine families read off it (`Engine.describe`: the Warp
+    engines, whether the field has a fused form and a Jacobian), what is asked."""
+    facts = {}
+    for describe in dict.fromkeys(type(e).describe for e in ENGINES.values()):
+        facts.update(describe(prob, fused))
     return Request(gradient=gradient, stiff=prob.stiff, d=prob.d, n=prob.n, method=method,
-                   fused=form is not None, jacobian=bool(form is not None and form.stiff),
-                   rtol=rtol, fused_why=why, mode=mode, interpolate=bool(interpolate),
+                   rtol=rtol, mode=mode, interpolate=bool(interpolate), **facts,
                    ts=bool(ts), dtype=np.dtype(prob.y0.dtype).name,
                    shared_module=_holds_module(prob.params),
                    warp=None if fused is None else bool(fused),

@@ -9,17 +9,23 @@ capabilities, each a mixin with one abstract method:
 - `Differentiates.ys_function(prob, cfg, mode)`: a pure function to differentiate.
 
 A forward-only engine implements `Solves` alone; the router never asks it for a
-gradient. Three hooks say what else stops an engine, each returning a reason or None:
+gradient. Hooks say what else stops an engine, each returning a reason or None:
 
-- `supports(request)`: what it cannot serve, read from the request (Diffrax not
+- `admits(request)`: a family's rules, asked before the method is known (the Warp
+  engines': a fused form, the dtype, the d cutoff);
+- `refuses_method(method, request)`: the method it does not run, or not for this
+  request (a Warp Rosenbrock23 needs the field's Jacobian);
+- `supports(request)`: what else it cannot serve, read from the request (Diffrax not
   installed, forward mode, ...);
 - `check(prob, method)`: what it cannot serve that only the problem itself shows (a
   field whose derivative does not translate), asked of the engine the router chose;
 - `declines(request)`: where it could serve but is not the router's choice unasked (a
   measured speed policy); named with `engine=`, it runs all the same.
 
-The rules common to all engines (task, method, continuous extension) and to all Warp
-engines (fused form, d cutoff) are the router's, in router.py.
+The rules common to all engines (task, devices, method, continuous extension) are
+the router's, in router.py; an engine family's own rules sit with the family (the Warp
+engines': engines/fused.py), and what the request needs to know of a problem for them
+comes from the family too (`describe`).
 """
 
 import abc
@@ -121,6 +127,21 @@ class Engine(eqx.Module):
 
     def runs(self, method: str) -> bool:
         return method in self.methods
+
+    @staticmethod
+    def describe(prob, fused) -> dict:
+        """The `Request` fields this engine family reads off `prob` (`fused`: the
+        caller's setting); the router merges every family's."""
+        return {}
+
+    def admits(self, request: Request) -> str | None:
+        """`None`, or why no engine of this family may serve `request`, before its
+        method is known."""
+        return None
+
+    def refuses_method(self, method: str, request: Request) -> str | None:
+        """`None` if it runs `method` for `request`, else why not."""
+        return None if self.runs(method) else self.method_refusal(method)
 
     def interpolates_with(self, task: str, method: str) -> bool:
         """Whether it serves `ts` from `method`'s continuous extension on `task`."""
