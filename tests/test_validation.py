@@ -11,7 +11,7 @@ import pytest
 
 import gradsolve as gs
 from gradsolve import layout
-from gradsolve.calibrate import _calibrator
+from gradsolve.calibrate import _validate
 
 
 def f(t, y, p):
@@ -175,7 +175,7 @@ def test_optimizer_needing_value_or_grad_is_refused_by_name():
     u_b = {"k": jax.ShapeDtypeStruct((), jnp.float64)}
     for ok in (optax.chain(optax.clip(1.0), optax.adam(0.1)),
                optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), optax.adam(0.1)):
-        _calibrator._check_optimizer(ok, u_b)
+        _validate.check_optimizer(ok, u_b)
 
 
 def _result(k):

@@ -19,52 +19,30 @@ loss history lives on the host. A refreshed mesh is padded to one of a few width
 """
 
 import copy
-import enum
 import functools
-import hashlib
 import json
-import re
-import sys
 import time
-from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm.auto import tqdm
 
 from .._version import __version__
 from .. import layout
 from ..config import DEFAULT_MAX_STEPS
 from ..record import record_rows
 from ..engines import recorder_of, with_recorder
-from ..mesh import Mesh, padded_width
+from ..mesh import Mesh
 from ..problem import Shared, _is_shared, as_problem, trajectory_params, unwrap_shared
 from ..router import plan
 from ..status import Status
-from . import _result, _transforms
-from ._checkpoint import (CheckpointMismatch, Checkpoints, Schedule, check_directory, check_every,
-                          checksum)
+from . import _fingerprint, _report, _result, _slots, _state, _transforms, _validate
+from ._checkpoint import Checkpoints, Schedule, check_directory, check_every, checksum
 from ._result import FitResult
+from ._state import STATE_FORMAT, FitState, FitStatus
 
-
-class FitStatus(enum.IntEnum):
-    """Outcome of one fit."""
-
-    RUNNING = 0
-    CONVERGED = 1
-    STEP_CAP = 2
-    NONFINITE = 3
-    RECORD_FAILED = 4
-    QUEUED = 5  # recorded, waiting for a slot (`fit(..., slots=)`)
-
-
-# What a checkpointed FitState means, part of the fingerprint: 2 counts every fit's own
-# updates (history and drift per fit, minibatch keys per start) -- a format-1 state
-# (one global update count) would resume into different draws and refreshes.
-STATE_FORMAT = 2
 
 # Updates run by one call of the compiled loop, at most (its loss record is this long),
 # and the wall time a call aims at: the host returns between calls to refresh, save,
@@ -79,38 +57,6 @@ STATE_FORMAT = 2
 AUTO_REFRESH_EVERY = 50
 MAX_UPDATES_PER_CALL = 64
 CALL_SECONDS = 0.1
-
-
-class FitState(NamedTuple):
-    """Everything a fit needs to continue: arrays only (it is what is checkpointed).
-
-    It holds every start of a fit; the compiled update runs on a window of them (the
-    slots, see `Calibrator.fit`), which is written back before a checkpoint."""
-
-    u: Any               # unconstrained parameters, leaves lead with B
-    opt_state: Any       # per-fit optimizer state, leaves lead with B
-    active: jax.Array    # (B,) still to update (queued or running)
-    status: jax.Array    # (B,) FitStatus
-    steps: jax.Array     # (B,) updates applied
-    loss: jax.Array      # (B,) loss at the last update the fit was active in
-    grad_norm: jax.Array  # (B,)
-    history: np.ndarray  # (steps, B) loss at each of a fit's updates; on the host
-    drift: np.ndarray    # (steps, B) drift figure at a fit's update, where a check ran
-    update: jax.Array    # () updates of the window done
-    refreshes: jax.Array  # () mesh refreshes so far
-    key: jax.Array       # fit b's minibatch at its update t: fold_in(fold_in(key, b), t)
-    mesh: Any            # the mesh's arrays (None for an engine without a mesh)
-
-
-class _Window(NamedTuple):
-    """The starts the compiled update runs on: `state` holds slot j's copy of start
-    `start[j]` (a `FitState` of the slots, without the host-side history), with its
-    trajectories' problem y0 and its data."""
-
-    start: np.ndarray    # (slots,) the start in each slot
-    state: FitState
-    y0: jax.Array        # (slots * K, d)
-    data: Any
 
 
 def _where(mask, new, old):
@@ -246,7 +192,7 @@ class Calibrator:
         if not (callable(getattr(optimizer, "init", None))
                 and callable(getattr(optimizer, "update", None))):
             raise TypeError("optimizer must be an optax.GradientTransformation")
-        _check_data(data)
+        _validate.check_data(data)
         # One fit over the problem's shared parameters (a neural ODE's network): its
         # theta is the problem's params without the gs.Shared wrappers, and neither
         # theta0 nor data carries a fit axis (B = 1 inside).
@@ -456,13 +402,13 @@ class Calibrator:
         cfg, prob = self.config, self.problem
         mesh = None
         if state.mesh is not None:  # a fixed width: the hash must not depend on a record
-            mesh = self._mesh(dict(jax.tree.map(_abstract, state.mesh),
+            mesh = self._mesh(dict(jax.tree.map(_fingerprint.abstract, state.mesh),
                                    h=jax.ShapeDtypeStruct((prob.n, 8), state.mesh["h"].dtype)))
         losses = functools.partial(self._losses, static=static, K=K)
         loss_jaxpr = jax.make_jaxpr(lambda u, m, d, y: losses(u, mesh=m, data=d, y0=y))(
-            _abstract(state.u), mesh, _abstract(self.data), _abstract(prob.y0))
+            _fingerprint.abstract(state.u), mesh, _fingerprint.abstract(self.data), _fingerprint.abstract(prob.y0))
         opt_jaxpr = jax.make_jaxpr(jax.vmap(self.optimizer.update))(
-            _abstract(state.u), _abstract(state.opt_state), _abstract(state.u))
+            _fingerprint.abstract(state.u), _fingerprint.abstract(state.opt_state), _fingerprint.abstract(state.u))
         return {
             "problem": prob.name, "t_span": [float(t) for t in prob.t_span],
             "y0": checksum(prob.y0)[:16], "method": cfg.method, "rtol": cfg.rtol,
@@ -475,7 +421,7 @@ class Calibrator:
             "batch_size": self.batch_size, "state_format": STATE_FORMAT,
             "theta0": checksum(eqx.filter(theta0, eqx.is_array))[:16],
             "data": checksum(self.data)[:16],
-            "loss": _jaxpr_hash(loss_jaxpr), "optimizer": _jaxpr_hash(opt_jaxpr)}
+            "loss": _fingerprint.jaxpr_hash(loss_jaxpr), "optimizer": _fingerprint.jaxpr_hash(opt_jaxpr)}
 
     # -- the loop -------------------------------------------------------------------
 
@@ -536,11 +482,11 @@ class Calibrator:
         """
         theta0 = self._with_fit_axis(theta0)
         S, K = self._check_theta(theta0, steps)
-        B = _check_slots(slots, S)
-        tol, grad_tol = _check_tol("tol", tol), _check_tol("grad_tol", grad_tol)
+        B = _slots.check_slots(slots, S)
+        tol, grad_tol = _validate.check_tol("tol", tol), _validate.check_tol("grad_tol", grad_tol)
         steps = int(steps)
         u0 = _transforms.apply(self.transform, theta0, "inverse")
-        _check_domain(self.transform, theta0, u0)
+        _validate.check_domain(self.transform, theta0, u0)
         u, static = eqx.partition(_strong(u0), eqx.is_inexact_array)
         state = _strong(self._initial_state(u, static, S, K, steps, key))
         store = resumed_from = meta = None
@@ -554,11 +500,11 @@ class Calibrator:
                     store.discard()
                 else:
                     found = store.restore_latest(
-                        state._asdict(), functools.partial(_check_meta, meta["fit"],
+                        state._asdict(), functools.partial(_fingerprint.check_meta, meta["fit"],
                                                            self.checkpoint_dir))
                     if found is not None:
                         resumed_from = found[0]
-                        state = _continued(FitState(**found[1]), steps)
+                        state = _state.continued(FitState(**found[1]), steps)
             except BaseException:
                 store.close()
                 raise
@@ -567,10 +513,10 @@ class Calibrator:
         tried = None  # the last step this fit tried to save
         schedule = Schedule(self.checkpoint_every)
         queue = B < S
-        bar = _progress(progress, S if queue else steps,
+        bar = _report.progress_bar(progress, S if queue else steps,
                         int(np.sum(~np.asarray(state.active))) if queue else done, queue)
         if resumed_from is not None:
-            _say(bar, f"gradsolve: resumed from checkpoint step {resumed_from} in "
+            _report.say(bar, f"gradsolve: resumed from checkpoint step {resumed_from} in "
                       f"{self.checkpoint_dir} ({done} updates run in all; the fits have done "
                       f"{np.asarray(state.steps).min()}..{np.asarray(state.steps).max()} updates "
                       f"each, capped at steps={steps} per fit)")
@@ -603,7 +549,7 @@ class Calibrator:
                     state.history[at[ran], np.broadcast_to(window.start, ran.shape)[ran]] = \
                         losses[ran]
                     done += count
-                    _show(bar, state, window, queue, count)
+                    _report.show(bar, state, window, queue, count)
                     if store is not None and schedule.due(done):
                         # Written in the background while the fit goes on; a save
                         # that fails is warned about and the next one writes again.
@@ -648,7 +594,7 @@ class Calibrator:
                        f"again to resume (a larger steps= extends it)" if last == done else
                        f"saving it failed ({why}); the last step saved is {last}"
                        if last is not None else f"saving it failed ({why}); no step is saved")
-            _say(bar, f"gradsolve: fit interrupted after {done} updates; {how}")
+            _report.say(bar, f"gradsolve: fit interrupted after {done} updates; {how}")
             raise
         finally:
             if bar is not None:
@@ -691,7 +637,7 @@ class Calibrator:
         if np.ndim(_leaf_at(best.theta, names[name])) != 0:
             raise ValueError(f"theta[{name!r}] holds {np.shape(_leaf_at(best.theta, names[name]))} "
                              f"values per fit; a profile fixes a leaf of one number")
-        _check_grid(self.transform, name, names[name], grid)
+        _validate.check_grid(self.transform, name, names[name], grid)
         B = np.shape(res.loss)[0]
         K = self.problem.n // B
         fixed = names[name]
@@ -813,7 +759,7 @@ class Calibrator:
                 raise TypeError(f"theta0{jax.tree_util.keystr(p)} has dtype {x.dtype}; "
                                 f"fitted parameters must be floating point (e.g. 1.0, not 1)")
         if self.to_params is None:  # theta is broadcast to the parameters as it is
-            _check_theta_dtype(theta0, self.problem.y0.dtype, "")
+            _validate.check_theta_dtype(theta0, self.problem.y0.dtype, "")
         sizes = {np.shape(x)[0] if np.ndim(x) else None for _, x in paths}
         if len(sizes) != 1 or None in sizes:
             raise ValueError(f"every array leaf of theta0 must lead with the number of "
@@ -851,7 +797,7 @@ class Calibrator:
         self._check_to_y0(theta0, n // B)
         self._check_loss(theta0, n // B)
         theta_b = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
-        _check_optimizer(self.optimizer, _abstract(eqx.filter(theta_b, eqx.is_inexact_array)))
+        _validate.check_optimizer(self.optimizer, _fingerprint.abstract(eqx.filter(theta_b, eqx.is_inexact_array)))
         return B, n // B
 
     def _check_loss(self, theta0, K):
@@ -915,7 +861,7 @@ class Calibrator:
         want = jax.tree.map(
             lambda x: x if _is_shared(x) else jax.ShapeDtypeStruct((K,) + x.shape[1:], x.dtype)
             if eqx.is_array(x) else x, self.problem.params, is_leaf=_is_shared)
-        got, want = _array_shapes(got), _array_shapes(want)
+        got, want = _fingerprint.array_shapes(got), _fingerprint.array_shapes(want)
         if got != want:
             missing = sorted(set(want) - set(got))
             extra = sorted(set(got) - set(want))
@@ -925,7 +871,7 @@ class Calibrator:
                 ([f"unexpected {extra}"] if extra else []) + \
                 ([f"wrong shape or dtype {', '.join(wrong)}"] if wrong else [])
             if wrong:  # a theta0 of another dtype is the likely cause: name it
-                _check_theta_dtype(theta0, self.problem.y0.dtype,
+                _validate.check_theta_dtype(theta0, self.problem.y0.dtype,
                                    f"; {what} gives {', '.join(wrong)}")
             raise ValueError(
                 f"{what} must give the K={K} trajectories of one fit the problem's "
@@ -985,18 +931,18 @@ class Calibrator:
     def _gather(self, state, window, start, entering, K):
         """The window with slots `entering` loaded from the state's starts `start`."""
         if window is None:
-            rows = _trajectories(start, K)
+            rows = _slots.trajectories(start, K)
             mesh = None if state.mesh is None else dict(
-                state.mesh, **{k: _rows(state.mesh[k], rows) for k in _ROW_FIELDS})
+                state.mesh, **{k: _slots.rows(state.mesh[k], rows) for k in _slots.ROW_FIELDS})
             new = state._replace(history=None, drift=None, mesh=mesh,
-                                 **{f: _rows(getattr(state, f), start) for f in _FIT_FIELDS})
+                                 **{f: _slots.rows(getattr(state, f), start) for f in _slots.FIT_FIELDS})
         else:  # the slots that keep their fit keep the window's copy
             at = np.flatnonzero(entering)
-            new = _moved(window.state, at, state, start[at], K)
-        y0 = jax.device_put(np.asarray(self.problem.y0)[_trajectories(start, K)])
+            new = _slots.moved(window.state, at, state, start[at], K)
+        y0 = jax.device_put(np.asarray(self.problem.y0)[_slots.trajectories(start, K)])
         data = None if self.data is None else jax.tree.map(
             lambda d: jax.device_put(np.asarray(d)[start]), self.data)
-        return _Window(start=start.copy(), state=new, y0=y0, data=data)
+        return _slots.Window(start=start.copy(), state=new, y0=y0, data=data)
 
     def _flush(self, state, window, slots=None):
         """The state with the window's fits in `slots` (default all) written back;
@@ -1008,7 +954,7 @@ class Calibrator:
             return ws._replace(history=state.history, drift=state.drift, **counters)
         slots = np.arange(B) if slots is None else np.asarray(slots)
         K = window.y0.shape[0] // B
-        return _moved(state, window.start[slots], ws, slots, K)._replace(**counters)
+        return _slots.moved(state, window.start[slots], ws, slots, K)._replace(**counters)
 
     def _maybe_refresh(self, window, drift, static, K):
         """Re-record where a running fit's own update count is due (`refresh_every`),
@@ -1036,102 +982,14 @@ class Calibrator:
             return window
         failed = due & ~ok
         return window._replace(state=ws._replace(
-            mesh=_adopt(ws.mesh, fresh, due, K), refreshes=ws.refreshes + 1,
+            mesh=_slots.adopt(ws.mesh, fresh, due, K), refreshes=ws.refreshes + 1,
             active=jax.device_put(np.asarray(ws.active) & ~failed),
             status=jax.device_put(np.where(failed, FitStatus.RECORD_FAILED,
                                            np.asarray(ws.status)).astype(np.int32))))
 
 
-_FIT_FIELDS = ("u", "opt_state", "active", "status", "steps", "loss", "grad_norm")
-_ROW_FIELDS = ("h", "n_steps", "n_rejected", "status")
-
-
-def _check_slots(slots, S):
-    if slots is None:
-        return S
-    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1:
-        raise ValueError(f"slots must be None or a positive integer, got {slots!r}")
-    return min(int(slots), S)
-
-
-def _widths(a, b):
-    """Two `h` arrays padded with zero columns to the wider one's width."""
-    cols = max(a.shape[1], b.shape[1])
-    return tuple(np.pad(x, ((0, 0), (0, cols - x.shape[1]))) for x in (a, b))
-
-
-def _rows(tree, rows):
-    """Rows `rows` of every leaf, in NumPy (`jnp` indexing compiles once per shape)."""
-    return jax.tree.map(lambda x: jax.device_put(np.asarray(x)[rows]), tree)
-
-
-def _put(tree, to, new, at):
-    """`tree` with its rows `to` replaced by `new`'s rows `at` (h widened to fit)."""
-    def put(x, y):
-        x, y = np.asarray(x), np.asarray(y)
-        if x.ndim == 2 and x.shape[1] != y.shape[1]:  # a mesh's h
-            x, y = _widths(x, y)
-        x = x.copy()
-        x[to] = y[at]
-        return jax.device_put(x)
-    return jax.tree.map(put, tree, new)
-
-
-def _trajectories(fits, K):
-    """The ensemble rows of fits `fits` (K trajectories each)."""
-    return np.repeat(np.asarray(fits) * K, K) + np.tile(np.arange(K), np.size(fits))
-
-
-def _moved(dst, to, src, at, K):
-    """The FitState `dst` with its fits `to` (and their mesh rows) replaced by `src`'s
-    fits `at`: a window's fits into the state, or the state's starts into a window."""
-    fits = {f: _put(getattr(dst, f), to, getattr(src, f), at) for f in _FIT_FIELDS}
-    mesh = dst.mesh
-    if mesh is not None:
-        to_rows, at_rows = _trajectories(to, K), _trajectories(at, K)
-        mesh = dict(mesh, **{k: _put(mesh[k], to_rows, src.mesh[k], at_rows)
-                             for k in _ROW_FIELDS})
-    return dst._replace(mesh=mesh, **fits)
-
-
-def _adopt(arrays, fresh, fits, K):
-    """The mesh arrays with fits `fits`' rows taken from the record `fresh`, as wide as
-    those rows need (`padded_width`), at least the current width."""
-    rows = np.repeat(fits, K)
-    out = dict(arrays)
-    need = padded_width(int(np.asarray(fresh.n_steps)[rows].max()))
-    for k in _ROW_FIELDS:
-        old, new = np.asarray(arrays[k]), np.asarray(getattr(fresh, k))
-        if k == "h":  # beyond a row's steps its h is zero: cut to what the rows need
-            new = new[:, :max(need, old.shape[1])]
-            old, new = _widths(old, new)
-        out[k] = jax.device_put(np.where(rows.reshape((-1,) + (1,) * (old.ndim - 1)),
-                                         new, old))
-    return out
-
-
 def _leaf_at(tree, path):
     return next(x for p, x in jax.tree_util.tree_leaves_with_path(tree) if p == path)
-
-
-def _continued(state: FitState, steps: int) -> FitState:
-    """A restored state made ready for a cap of `steps`: the host history and drift
-    grown to it, and fits that stopped only at the old cap running again. In NumPy, and
-    handed back as fresh (uncommitted) arrays: Orbax's arrays are committed to a
-    device, which `jit` keys apart, so they would recompile the update once more."""
-    state = jax.tree.map(np.asarray, state)
-
-    def grown(a):
-        out = np.full((max(steps, a.shape[0]),) + a.shape[1:], np.nan, a.dtype)
-        out[:a.shape[0]] = a
-        return out
-    again = (state.status == FitStatus.STEP_CAP) & (state.steps < steps)
-    state = state._replace(active=state.active | again,
-                           status=np.where(again, FitStatus.RUNNING, state.status)
-                           .astype(state.status.dtype))
-    # device_put, not jnp.asarray: the latter compiles a copy per shape in this JAX.
-    return jax.device_put(state)._replace(history=grown(state.history),
-                                          drift=grown(state.drift))
 
 
 def _all_shared(params) -> bool:
@@ -1160,189 +1018,3 @@ def _strong(tree):
     return jax.tree.map(strong, tree)
 
 
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
-                        if eqx.is_array(x) or isinstance(x, np.ndarray) else x, tree)
-
-
-def _array_shapes(tree) -> dict:
-    """`{leaf path: 'dtype[shape]'}` of the array leaves."""
-    return {jax.tree_util.keystr(p): f"{np.dtype(x.dtype).name}{list(x.shape)}"
-            for p, x in jax.tree_util.tree_leaves_with_path(tree)
-            if isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)}
-
-
-def _jaxpr_hash(closed) -> str:
-    """A hash of a traced function: its equations and its constants' bytes. What
-    differs between two traces of the same function is removed: the printed addresses
-    of Python objects, and a host call's FFI target name and call id (Warp numbers
-    them in the order of tracing; `gradsolve.warp._jax` keys the call itself by what
-    it computes)."""
-    text = re.sub(r" at 0x[0-9a-fA-F]+", "", str(closed.jaxpr))
-    text = re.sub(r"target_name=\S+|\('call_id', \d+\)", "", text)
-    return hashlib.sha256(text.encode() + checksum(closed.consts).encode()).hexdigest()[:16]
-
-
-_FINGERPRINT_NAMES = {
-    "loss": "the traced loss (loss, f_jax, to_params, to_y0 or transform)",
-    "optimizer": "the optimizer (its kind or its constants, e.g. the learning rate)",
-    "data": "the data", "theta0": "theta0", "y0": "the problem's y0",
-    "state_format": "the fit state's format (the checkpoint is from an older gradsolve)"}
-
-
-def _check_meta(expected, directory, found):
-    stored = found.get("fit")
-    version = found.get("gradsolve")
-    written_by = "" if version == __version__ else \
-        f"; it was written by gradsolve {version}, this is {__version__}"
-    if not isinstance(stored, dict):
-        raise CheckpointMismatch(
-            f"the checkpoint in {directory} was written without a fit fingerprint (an "
-            f"older gradsolve); pass resume=False to start over, or use another "
-            f"checkpoint_dir")
-    keys = [k for k in expected if stored.get(k) != expected[k]]
-    if keys:
-        diffs = ", ".join(
-            f"{_FINGERPRINT_NAMES[k]} changed" if k in _FINGERPRINT_NAMES else
-            f"{k}: checkpoint {stored.get(k)!r} vs now {expected[k]!r}" for k in keys)
-        raise CheckpointMismatch(
-            f"the checkpoint does not match this fit ({diffs}{written_by}); resume with "
-            f"the same setup, use another checkpoint_dir, or pass resume=False to start "
-            f"over (deletes the checkpoints in {directory})")
-
-
-def _check_tol(name, value):
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
-            or np.ndim(value) or not value >= 0:
-        raise ValueError(f"{name} must be None or a number >= 0, got {value!r}")
-    return float(value)
-
-
-def _check_data(data):
-    """Every floating leaf of `data` finite: a NaN measurement would stop its fit at
-    step 0 as non-finite, pointing nowhere near the data."""
-    for path, x in jax.tree_util.tree_leaves_with_path(data):
-        if not (eqx.is_array(x) or isinstance(x, np.ndarray)) \
-                or not np.issubdtype(np.asarray(x).dtype, np.inexact):
-            continue
-        x = np.asarray(x)
-        bad = ~np.isfinite(x)
-        if bad.any():
-            at = np.unravel_index(int(np.argmax(bad)), x.shape)
-            raise ValueError(
-                f"data{jax.tree_util.keystr(path)} holds a non-finite value ({x[at]}) at "
-                f"index {tuple(int(i) for i in at)} ({int(bad.sum())} in all); missing "
-                f"measurements are not taken as NaN: fill them with any finite value and "
-                f"weight them out in the loss with a mask passed in data (e.g. "
-                f"jnp.sum(d['mask'] * (ys - d['obs']) ** 2))")
-
-
-def _check_theta_dtype(theta0, dtype, how):
-    """Every floating leaf of theta0 in the fit's dtype (`how`: what else would do)."""
-    for p, x in jax.tree_util.tree_leaves_with_path(theta0):
-        if eqx.is_inexact_array(x) and x.dtype != dtype:
-            raise TypeError(f"theta0{jax.tree_util.keystr(p)} has dtype {x.dtype} but the "
-                            f"problem is {np.dtype(dtype).name} (its y0){how}: give theta0 "
-                            f"in {np.dtype(dtype).name}")
-
-
-def _check_optimizer(optimizer, u_b):
-    """`optimizer.init(u)` and `optimizer.update(grads, state, u)` of one fit, traced
-    abstractly (`u_b`: its unconstrained parameters, as `jax.ShapeDtypeStruct`s), as
-    the update calls them. A transformation whose update needs optax's extra arguments
-    (`value`, `grad`, `value_fn`: `optax.lbfgs`'s line search) is refused by name."""
-    def trial(**extra):
-        def one(u):
-            kw = {k: v(u) for k, v in extra.items()}
-            return optimizer.update(u, optimizer.init(u), u, **kw)
-        return jax.eval_shape(one, u_b)
-
-    def value(u):
-        return sum(jnp.sum(x) for x in jax.tree.leaves(u))
-    extra = {"value": value, "grad": lambda u: u, "value_fn": lambda u: value}
-    try:
-        trial()
-        return
-    except Exception as e:  # noqa: BLE001 - named below, or re-raised with the inputs
-        error = e
-    try:
-        trial(**extra)
-    except Exception:  # noqa: BLE001 - not for want of the extra arguments
-        raise TypeError(f"optimizer.init/update failed on fit 0's parameters "
-                        f"{_array_shapes(u_b)}: {type(error).__name__}: {error}") from error
-    needed = []
-    for name in sorted(extra):
-        try:
-            trial(**{k: v for k, v in extra.items() if k != name})
-        except Exception:  # noqa: BLE001 - this one is needed
-            needed.append(name)
-    raise TypeError(
-        f"optimizer.update needs the extra arguments {needed or sorted(extra)} (an "
-        f"optax.GradientTransformationExtraArgs such as optax.lbfgs's line search): not "
-        f"yet supported by the Calibrator, which calls update(grads, state, params); use a "
-        f"first-order transformation (optax.adam, optax.sgd, or an optax.chain of them)")
-
-
-def _check_grid(transform, name, path, grid):
-    """A profile's grid: not empty, finite, inside the transform's domain of its leaf."""
-    if grid.size == 0:
-        raise ValueError(f"grid is empty: give at least one value to fix {name!r} at")
-    if not np.isfinite(grid).all():
-        raise ValueError(f"grid must hold finite values, got {grid}")
-    t = _transforms.for_path(transform, path)
-    bad = np.flatnonzero(~np.isfinite(np.asarray(t.inverse(jnp.asarray(grid)))))
-    if bad.size:
-        raise ValueError(f"grid[{bad[0]}] = {grid[bad[0]]} is outside the domain of "
-                         f"theta[{name!r}]'s transform {t} (grid points {bad[:10].tolist()})")
-
-
-def _check_domain(transform, theta0, u0):
-    """Every theta0 value inside its transform's domain (a NaN in u names it)."""
-    for (p, x), t in zip(jax.tree_util.tree_leaves_with_path(theta0), jax.tree.leaves(u0)):
-        if not eqx.is_inexact_array(t):
-            continue
-        B = np.shape(t)[0]
-        bad = ~np.isfinite(np.asarray(t)).reshape(B, -1).all(axis=1)
-        if bad.any():
-            b = int(np.flatnonzero(bad)[0])
-            raise ValueError(
-                f"theta0{jax.tree_util.keystr(p)} of fit {b} ({np.asarray(x)[b]}) is "
-                f"outside the domain of its transform {_transforms.for_path(transform, p)} "
-                f"(fits {np.flatnonzero(bad)[:10].tolist()})")
-
-
-def _show(bar, state, window, queue, count):
-    """The bar after an update: the slots' loss range and, over all starts, how many
-    converged; with a queue it counts the starts that have stopped."""
-    if bar is None:
-        return
-    status, active = np.asarray(state.status).copy(), np.asarray(state.active).copy()
-    status[window.start] = np.asarray(window.state.status)
-    active[window.start] = np.asarray(window.state.active)
-    loss = np.asarray(window.state.loss)
-    finite = loss[np.isfinite(loss)]
-    # The text is set without drawing; `update` draws, at most every `mininterval`
-    # (a bar that redrew at every update filled a log with one line per update).
-    bar.set_postfix_str(f"loss {finite.min():.3g}..{finite.max():.3g}" if finite.size
-                        else "loss n/a", refresh=False)
-    bar.set_description(f"converged {int(np.sum(status == FitStatus.CONVERGED))}/"
-                        f"{status.size}", refresh=False)
-    bar.update(int(np.sum(~active)) - bar.n if queue else count)
-
-
-def _say(bar, message):
-    if jax.process_index() != 0:  # several processes: the first reports
-        return
-    if bar is not None:
-        bar.write(message, file=sys.stderr)
-    else:
-        print(message, file=sys.stderr)
-
-
-def _progress(enabled, total, initial, queue=False):
-    if not enabled or jax.process_index() != 0:  # several processes: the first reports
-        return None
-    return tqdm(total=total, initial=initial, unit="start" if queue else "update",
-                dynamic_ncols=True, mininterval=0.25)

@@ -1,0 +1,91 @@
+"""The slot scheduler's moves: a window of starts that the compiled update runs on
+(`fit(..., slots=m)`), and the host-side copies of fits and their mesh rows between
+the window and the whole fit state. In NumPy: `jnp` indexing compiles once per shape."""
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from ..mesh import padded_width
+from ._state import FitState
+
+
+class Window(NamedTuple):
+    """The starts the compiled update runs on: `state` holds slot j's copy of start
+    `start[j]` (a `FitState` of the slots, without the host-side history), with its
+    trajectories' problem y0 and its data."""
+
+    start: np.ndarray    # (slots,) the start in each slot
+    state: FitState
+    y0: jax.Array        # (slots * K, d)
+    data: Any
+
+
+# The fields of a FitState that are per fit, and the mesh arrays that are per row.
+FIT_FIELDS = ("u", "opt_state", "active", "status", "steps", "loss", "grad_norm")
+ROW_FIELDS = ("h", "n_steps", "n_rejected", "status")
+
+
+def check_slots(slots, S):
+    if slots is None:
+        return S
+    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1:
+        raise ValueError(f"slots must be None or a positive integer, got {slots!r}")
+    return min(int(slots), S)
+
+
+def widths(a, b):
+    """Two `h` arrays padded with zero columns to the wider one's width."""
+    cols = max(a.shape[1], b.shape[1])
+    return tuple(np.pad(x, ((0, 0), (0, cols - x.shape[1]))) for x in (a, b))
+
+
+def rows(tree, rows):
+    """Rows `rows` of every leaf, in NumPy (`jnp` indexing compiles once per shape)."""
+    return jax.tree.map(lambda x: jax.device_put(np.asarray(x)[rows]), tree)
+
+
+def put(tree, to, new, at):
+    """`tree` with its rows `to` replaced by `new`'s rows `at` (h widened to fit)."""
+    def put(x, y):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.ndim == 2 and x.shape[1] != y.shape[1]:  # a mesh's h
+            x, y = widths(x, y)
+        x = x.copy()
+        x[to] = y[at]
+        return jax.device_put(x)
+    return jax.tree.map(put, tree, new)
+
+
+def trajectories(fits, K):
+    """The ensemble rows of fits `fits` (K trajectories each)."""
+    return np.repeat(np.asarray(fits) * K, K) + np.tile(np.arange(K), np.size(fits))
+
+
+def moved(dst, to, src, at, K):
+    """The FitState `dst` with its fits `to` (and their mesh rows) replaced by `src`'s
+    fits `at`: a window's fits into the state, or the state's starts into a window."""
+    fits = {f: put(getattr(dst, f), to, getattr(src, f), at) for f in FIT_FIELDS}
+    mesh = dst.mesh
+    if mesh is not None:
+        to_rows, at_rows = trajectories(to, K), trajectories(at, K)
+        mesh = dict(mesh, **{k: put(mesh[k], to_rows, src.mesh[k], at_rows)
+                             for k in ROW_FIELDS})
+    return dst._replace(mesh=mesh, **fits)
+
+
+def adopt(arrays, fresh, fits, K):
+    """The mesh arrays with fits `fits`' rows taken from the record `fresh`, as wide as
+    those rows need (`padded_width`), at least the current width."""
+    rows = np.repeat(fits, K)
+    out = dict(arrays)
+    need = padded_width(int(np.asarray(fresh.n_steps)[rows].max()))
+    for k in ROW_FIELDS:
+        old, new = np.asarray(arrays[k]), np.asarray(getattr(fresh, k))
+        if k == "h":  # beyond a row's steps its h is zero: cut to what the rows need
+            new = new[:, :max(need, old.shape[1])]
+            old, new = widths(old, new)
+        out[k] = jax.device_put(np.where(rows.reshape((-1,) + (1,) * (old.ndim - 1)),
+                                         new, old))
+    return out
