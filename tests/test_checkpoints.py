@@ -61,6 +61,13 @@ def test_relative_dir_ctrl_c_and_resume_after_refresh(tmp_path, monkeypatch, ref
         cal.fit(THETA0, steps=STEPS, progress=False)
     assert "run the same fit again to resume" in capsys.readouterr().err
     assert steps_in(tmp_path / "runs/fit") == [15, 20, 23]
+    # Resumed with a cap below the 23 updates done (a new user's script did this), the
+    # fits stop at the cap with no further update (one more ran before).
+    capped = calibrator("runs/fit", checkpoint_every=5).fit(THETA0, steps=20,
+                                                           progress=False)
+    assert capped.updates == 23 and np.all(np.asarray(capped.steps) == 23)
+    assert np.all(np.asarray(capped.status) == gs.FitStatus.STEP_CAP)
+    capsys.readouterr()
     res = calibrator("runs/fit", checkpoint_every=5).fit(THETA0, steps=STEPS, progress=False)
     assert res.resumed_from == 23
     assert "resumed from checkpoint step 23" in capsys.readouterr().err

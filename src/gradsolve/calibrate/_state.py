@@ -48,7 +48,9 @@ class FitState(NamedTuple):
 
 def continued(state: FitState, steps: int) -> FitState:
     """A restored state made ready for a cap of `steps`: the host history and drift
-    grown to it, and fits that stopped only at the old cap running again. In NumPy, and
+    grown to it, fits that stopped only at the old cap running again, and fits still
+    running (saved by an interrupt) that are at or past the new cap stopped at it, with
+    no further update. In NumPy, and
     handed back as fresh (uncommitted) arrays: Orbax's arrays are committed to a
     device, which `jit` keys apart, so they would recompile the update once more."""
     state = jax.tree.map(np.asarray, state)
@@ -58,9 +60,11 @@ def continued(state: FitState, steps: int) -> FitState:
         out[:a.shape[0]] = a
         return out
     again = (state.status == FitStatus.STEP_CAP) & (state.steps < steps)
-    state = state._replace(active=state.active | again,
-                           status=np.where(again, FitStatus.RUNNING, state.status)
-                           .astype(state.status.dtype))
+    capped = state.active & (state.steps >= steps)
+    status = np.where(again, FitStatus.RUNNING, np.where(capped, FitStatus.STEP_CAP,
+                                                         state.status))
+    state = state._replace(active=(state.active | again) & ~capped,
+                           status=status.astype(state.status.dtype))
     # device_put, not jnp.asarray: the latter compiles a copy per shape in this JAX.
     return jax.device_put(state)._replace(history=grown(state.history),
                                           drift=grown(state.drift))
