@@ -5,8 +5,8 @@ series of 100 points on [0, 10] of `y' = (x_1, -x_0)`, `x = y / (1 + y)`, from
 atol 1e-6, outputs at the 100 times.
 
 - gradsolve: a `gs.Calibrator` (one fit, the MLP in `gs.Shared`, `batch_size=32`,
-  outputs from Tsit5's continuous extension, the mesh refreshed every `REFRESH`
-  updates) on the router's engine;
+  outputs from Tsit5's continuous extension (the default), the mesh refreshed every
+  `REFRESH` updates) on the router's engine;
 - Diffrax: the example's `make_step` (`eqx.filter_jit` of `filter_value_and_grad`
   through `diffeqsolve` and the Optax update), minibatches from a NumPy permutation.
 
@@ -89,7 +89,7 @@ def calibrator(ts, data, y0, mlp, refresh_every=REFRESH):
     prob = gs.EnsembleProblem(mlp_field, y0=y0, params={"mlp": gs.Shared(mlp)},
                               t_span=(0.0, 10.0), name="neural_ode")
     cal = gs.Calibrator(prob, lambda ys, theta, d: jnp.mean((ys - d) ** 2), data=data,
-                        ts=ts, interpolate=True, rtol=RTOL, atol=ATOL, batch_size=BATCH,
+                        ts=ts, rtol=RTOL, atol=ATOL, batch_size=BATCH,
                         optimizer=optax.adam(LR), refresh_every=refresh_every)
     return cal, {"mlp": mlp}
 
@@ -143,7 +143,8 @@ def training(args):
     per_update = {s: (m[n2] - m[n1]) / (n2 - n1) for s, m in med.items()}
     ours = res.best().theta["mlp"]
     out = {"dtype": str(ts.dtype), "n1": n1, "n2": n2, "repeats": repeats,
-           "engine": res.engine, "refreshes": int(res.refreshes), "times_s": times,
+           "engine": res.engine, "interpolate": bool(cal.config.interpolate),
+           "refreshes": int(res.refreshes), "times_s": times,
            "per_update_s": per_update, "first_update_s": {"gradsolve": first_gs,
                                                           "diffrax": first_dfx},
            "full_loss_start": full_loss(mlp, y0, ts, data),
@@ -225,7 +226,7 @@ def spiral_run(spec):
                               params={"mlp": gs.Shared(mlp)}, t_span=(0.0, 1.5))
     cal = gs.Calibrator(prob, lambda ys, m, d: jnp.sum((ys - d) ** 2),
                         to_params=lambda m: {"mlp": gs.Shared(m)}, data=data[None], ts=ts,
-                        interpolate=True, rtol=1e-3, atol=1e-6, optimizer=optax.adam(0.05),
+                        rtol=1e-3, atol=1e-6, optimizer=optax.adam(0.05),
                         refresh_every=spec["refresh_every"])
     theta0 = jax.tree.map(lambda x: x[None] if eqx.is_array(x) else x, mlp)
     built = time.perf_counter() - t0
