@@ -77,6 +77,11 @@ def test_default_outputs_follow_the_extension_order():
         assert rel_err(ys, gs.replay(prob, mesh, ts=ts, interpolate=not chosen)) > 1e-12
     sol = gs.solve(prob, ts=ts, engine="general")
     assert sol.interpolated and not gs.solve(prob, engine="general").interpolated
+    # Diffrax serves ts from its own interpolant: asked for integrated outputs, the
+    # router passes it over, and the result says what ran.
+    off = gs.solve(prob, ts=ts, interpolate=False, fused=False)
+    assert (off.engine, off.interpolated) == ("general", False)
+    assert "own interpolant" in dict(off.passed_over)["diffrax"]
     with pytest.raises(ValueError, match="interpolate must be None"):
         gs.solve(prob, ts=ts, interpolate="yes")
 

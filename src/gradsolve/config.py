@@ -88,8 +88,9 @@ def default_remat(method, stiff: bool, d: int) -> bool:
 # `interpolate=None` (the default everywhere) serves `ts` from the method's continuous
 # extension when its order is at least this (Tsit5 and Rodas5P: 4) and the engine
 # serves it; else each output is integrated by an extra step from the mesh point before
-# it (Rosenbrock23's order-2 extension loses to its own step; Vern7 has none; the Warp
-# kernels integrate). docs/gradients.md tabulates the accuracy of both.
+# it (Rosenbrock23's order-2 extension measured 1.3-3.3x the integrated outputs' error
+# on Robertson; Vern7 has none; the Warp kernels have Tsit5's only).
+# benchmarks/outputs.py (docs/benchmarks.md, "Output times") measures both.
 AUTO_INTERPOLATE_ORDER = 3
 
 

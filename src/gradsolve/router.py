@@ -132,7 +132,8 @@ def request_for(prob, *, gradient: bool, method=None, rtol=None, mode="reverse",
     for describe in dict.fromkeys(type(e).describe for e in ENGINES.values()):
         facts.update(describe(prob, fused))
     return Request(gradient=gradient, stiff=prob.stiff, d=prob.d, n=prob.n, method=method,
-                   rtol=rtol, mode=mode, interpolate=bool(interpolate), **facts,
+                   rtol=rtol, mode=mode,
+                   interpolate=None if interpolate is None else bool(interpolate), **facts,
                    ts=bool(ts), dtype=np.dtype(prob.y0.dtype).name,
                    shared_module=_holds_module(prob.params),
                    warp=None if fused is None else bool(fused),

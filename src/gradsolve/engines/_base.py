@@ -54,7 +54,8 @@ class Request:
         jacobian: that form carries a Jacobian (for the stiff fused kernel).
         rtol: the relative tolerance asked for.
         mode: `"reverse"` or `"forward"` (gradients).
-        interpolate: `ts` served from a continuous extension.
+        interpolate: `ts` served from a continuous extension (True), by an integrated
+            step (False), or as the engine and method decide (None).
         ts: output times were asked for.
         dtype: the problem's floating dtype, by name.
         shared_module: the `gs.Shared` parameters hold an Equinox module (an MLP).
@@ -73,7 +74,7 @@ class Request:
     rtol: float | None = None
     fused_why: str | None = None
     mode: str = "reverse"
-    interpolate: bool = False
+    interpolate: bool | None = None
     ts: bool = False
     dtype: str = "float64"
     shared_module: bool = False
@@ -102,9 +103,9 @@ class Engine(eqx.Module):
             layout.py), else why not: it then runs on one device by default, and the
             router refuses it several naming this.
         interpolates: the tasks on which it serves `ts` from the method's continuous
-            extension (`interpolate=True`; `interpolates_with` refines it per
-            method); the fused solve kernel integrates a step to each output time
-            instead.
+            extension (`interpolate=True`); `interpolates_with` refines it per method
+            (the Warp kernels have Tsit5's only and integrate a step to each output
+            time with Rosenbrock23).
     """
 
     name: ClassVar[str]

@@ -57,6 +57,9 @@ class Diffrax(Engine, Solves, Differentiates):
     def supports(self, request):
         if importlib.util.find_spec("diffrax") is None:
             return "diffrax is not installed"
+        if request.ts and request.interpolate is False:
+            return ("Diffrax serves ts from its own interpolant; interpolate=False (an "
+                    "integrated step per output) runs on the general engine")
         return None
 
     def _solve_fn(self, prob, cfg, adjoint, ts, throw):
