@@ -5,7 +5,7 @@ from . import methods as methods, petab as petab, problems as problems
 from .calibrate import Calibrator as Calibrator, FitResult as FitResult, FitStatus as FitStatus
 from .calibrate import multistart as multistart, transforms as transforms
 from .engines import Engine as Engine, engine_names as engine_names
-from .warp._registry import register_field as register_field
+from .warp import register_field as register_field
 from .grad import value_and_grad as value_and_grad, ValueAndGrad as ValueAndGrad
 from .mesh import Mesh as Mesh
 from .problem import EnsembleProblem as EnsembleProblem, Shared as Shared

@@ -15,4 +15,9 @@ control, methods, mesh, problem, status, config, fields._systems):
 
 Nothing here imports the router, the engines or the user-facing entry points; nothing
 in `gradsolve.fields` imports this package. docs/internals.md has the details.
+
+Public: `register_field` (also `gs.register_field`), a hand-written fused form for a
+field; everything else is private.
 """
+
+from ._registry import register_field as register_field
