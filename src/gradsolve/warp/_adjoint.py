@@ -57,7 +57,8 @@ BACKWARD = _launch.Signature((
     output("g_y0", "d"), output("gp", "columns"), block_sum("gs", "k"),
 ))
 
-_FORWARD_BODY = """
+# Both forward kernels start alike: the first state and time of the trajectory.
+_FORWARD_START = """
     i = wp.tid()
     if i < m:
         y = V()
@@ -66,7 +67,9 @@ _FORWARD_BODY = """
             states[i, 0, k] = y[k]
         t = t0
         tgrid[i, 0] = t
-        for c in range(width):
+"""
+
+_FORWARD_BODY = _FORWARD_START + """        for c in range(width):
             hc = h[i, c]
             if hc > T(0.0):
                 y = plain(t, y, hc, p, s, i)
@@ -131,16 +134,7 @@ _BACKWARD_BODY = """
 """
 
 
-_FORWARD_DENSE_BODY = """
-    i = wp.tid()
-    if i < m:
-        y = V()
-        for k in range(D):
-            y[k] = y0[i, k]
-            states[i, 0, k] = y[k]
-        t = t0
-        tgrid[i, 0] = t
-        j = int(0)
+_FORWARD_DENSE_BODY = _FORWARD_START + """        j = int(0)
         for c in range(width):
             hc = h[i, c]
             if hc > T(0.0):

@@ -92,18 +92,22 @@ def control_source(method, d: int) -> str:
 
 def _erk_trial(tab) -> list[str]:
     s = tab.stages
-    body = ["k0 = f0"]
-    names = ["k0"]
-    for i in range(1, s):
-        arg = _combo(tab.a_lower[i - 1], names)
-        body.append(f"k{i} = field(t + {lit(tab.c[i - 1])} * h, y + h * ({arg}), p, s, i)")
-        names.append(f"k{i}")
+    body = ["k0 = f0", *_stage_slopes(tab, 1, s, "")]
+    names = [f"k{i}" for i in range(s)]
     body.append(f"y_new = y + h * ({_combo(tab.b, names)})")
     # As methods._erk.error_estimate: sum_{j>0} w_j (k_j - k_0), no cancellation.
     diffs = [f"({k} - k0)" for k in names[1:]]
     body.append(f"err = h * ({_combo(tab.b_error[1:], diffs)})")
     body.append(f"f_new = {f'k{s - 1}' if tab.fsal else 'field(t + h, y_new, p, s, i)'}")
     return body
+
+
+def _stage_slopes(tab, lo: int, hi: int, indent: str) -> list[str]:
+    """Stage slopes `k_j = f(t + c_j h, y + h sum_{l<j} a_jl k_l)` for `lo <= j < hi`."""
+    names = [f"k{j}" for j in range(hi)]
+    return [f"{indent}k{j} = field(t + {lit(tab.c[j - 1])} * h, "
+            f"y + h * ({_combo(tab.a_lower[j - 1], names[:j])}), p, s, i)"
+            for j in range(lo, hi)]
 
 
 def _erk_plain(tab) -> str:
@@ -113,9 +117,7 @@ def _erk_plain(tab) -> str:
              "def plain(t: T, y: V, h: T, p: wp.array2d(dtype=T), s: wp.array(dtype=T), "
              "i: int) -> V:",
              "    k0 = field(t, y, p, s, i)"]
-    for i in range(1, n_plain):
-        arg = _combo(tab.a_lower[i - 1], names[:i])
-        lines.append(f"    k{i} = field(t + {lit(tab.c[i - 1])} * h, y + h * ({arg}), p, s, i)")
+    lines += _stage_slopes(tab, 1, n_plain, "    ")
     lines.append(f"    return y + h * ({_combo(tab.b[:n_plain], names[:n_plain])})")
     return "\n".join(lines) + "\n"
 
@@ -338,15 +340,10 @@ def _erk_dense_advance(tab) -> str:
              "ys_out: wp.array3d(dtype=T), p: wp.array2d(dtype=T), s: wp.array(dtype=T), "
              "i: int) -> V:",
              "    k0 = field(t, y, p, s, i)"]
-    for j in range(1, n):
-        arg = _combo(tab.a_lower[j - 1], names[:j])
-        lines.append(f"    k{j} = field(t + {lit(tab.c[j - 1])} * h, y + h * ({arg}), p, s, i)")
+    lines += _stage_slopes(tab, 1, n, "    ")
     lines.append(f"    y_new = y + h * ({_combo(tab.b[:n], names[:n])})")
     lines.append("    if j1 > j0:")
-    for j in range(n, s):
-        arg = _combo(tab.a_lower[j - 1], names[:j])
-        lines.append(f"        k{j} = field(t + {lit(tab.c[j - 1])} * h, y + h * ({arg}), "
-                     f"p, s, i)")
+    lines += _stage_slopes(tab, n, s, "        ")
     lines.append("        for j in range(j0, j1):")
     lines.append("            theta = (ts[j] - t) / h")
     lines += _dense_weights(tab, "            ")
