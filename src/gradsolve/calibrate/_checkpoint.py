@@ -7,9 +7,15 @@ What a checkpoint directory guarantees:
 - **Atomic steps.** Orbax writes each step to a temporary directory and renames it
   when complete, so an interrupted save (Ctrl-C, kill -9, a full disk) never touches
   the previous step.
-- **Asynchronous saves.** A save copies the state and returns; Orbax writes it in a
-  background thread while the fit goes on, and the next save (or the fit's end) waits
-  for it first: one save under way at a time.
+- **Asynchronous saves.** A save copies the state to the host and returns; one
+  background thread hands it to Orbax and waits for the write while the fit goes on,
+  and the next save (or the fit's end) waits for it first: one save under way at a
+  time. Orbax's own asynchronous mode did part of each save on the caller's thread
+  (its threads, directories and handlers): on the checkpoint benchmark's fit (80 saves,
+  ~2.3 ms per update) the fit's thread spent 1.0 s in saves that way and 0.3 s this
+  way (the host copy, and waiting for a save still under way). A job of several processes (`gs.distributed`) saves
+  with Orbax's own asynchronous mode: its saves synchronise the processes, which
+  belongs on each process's main thread.
 - **A failed save is not fatal.** A save that fails (a full disk; a background save's
   error surfaces when it is waited for) is reported by a warning naming the step and
   the last step saved; the fit's state stays in memory and the next save writes it.
@@ -26,6 +32,7 @@ What a checkpoint directory guarantees:
   the kernel releases it when its process dies: a dead writer's lock is taken over.
 """
 
+import concurrent.futures
 import contextlib
 import datetime
 import errno
@@ -46,7 +53,7 @@ from jax.experimental import multihost_utils
 LOCK_NAME = "gradsolve.lock"
 
 # How often a fit with a checkpoint_dir and no checkpoint_every saves: a crash loses at
-# most this much of its work, and at Orbax's ~30-40 ms of CPU per save (measured here,
+# most this much of its work, and at Orbax's ~45-60 ms of CPU per save (measured here,
 # orbax-checkpoint 0.12.8) the saves cost well under 1 % of the fit.
 DEFAULT_INTERVAL = datetime.timedelta(minutes=1)
 
@@ -56,10 +63,11 @@ class Schedule:
     `datetime.timedelta`, at the first update that ends at least that long after the
     last save (or the fit's start).
 
-    Orbax spends a fixed ~30-40 ms of CPU per save (measured here, whatever the state's
-    size), in a background thread that shares the cores with the fit: saving every 25
-    updates of a fit that takes 3 ms per update adds ~40 %, while a time interval
-    bounds both the work a crash loses and what the saves cost (see docs/calibrator.md)."""
+    Orbax spends ~45-60 ms of CPU per save (measured here: ~25 ms fixed, ~0.5 ms per
+    array of the state), in background threads that share the cores with the fit:
+    saving every 25 updates of a fit that takes ~2-3 ms per update costs a large part
+    of its time on 2 cores (docs/benchmarks.md), while a time interval bounds both the
+    work a crash loses and what the saves cost (see docs/calibrator.md)."""
 
     def __init__(self, every):
         self.every = DEFAULT_INTERVAL if every is None else every
@@ -209,7 +217,12 @@ class Checkpoints:
         self._ocp = ocp
         self.directory = check_directory(directory)
         self.asynchronous = bool(asynchronous)
-        self.saved = self._writing = None
+        self.saved = self._writing = self._pending = None
+        # One process: Orbax writes synchronously on our own background thread (see the
+        # module docstring); several: Orbax's asynchronous mode on the main thread.
+        self._thread = (concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="gradsolve-checkpoint")
+            if self.asynchronous and jax.process_count() == 1 else None)
         # Several processes of one job (gs.distributed) write one checkpoint together
         # (Orbax's multi-process saves): the first holds the lock for all of them.
         self._lock = _Lock(self.directory) if jax.process_index() == 0 else _NoLock()
@@ -218,7 +231,7 @@ class Checkpoints:
                 self.directory,
                 options=ocp.CheckpointManagerOptions(
                     max_to_keep=max(2, int(max_to_keep)),
-                    enable_async_checkpointing=self.asynchronous,
+                    enable_async_checkpointing=self.asynchronous and self._thread is None,
                     cleanup_tmp_directories=True, create=True))
         except BaseException:
             self._lock.release()
@@ -236,18 +249,29 @@ class Checkpoints:
         # updates some leaves in place (the loss history); the checksum is then of
         # exactly the bytes written.
         state = jax.tree.map(lambda x: np.array(x, copy=True), state)
-        meta = dict(meta, checksum=checksum(state), shapes=shapes(state),
-                    x64=bool(jax.config.jax_enable_x64))
-        args = self._ocp.args
+        meta = dict(meta, x64=bool(jax.config.jax_enable_x64))
+        if self._thread is not None:
+            self._pending = self._thread.submit(self._write, int(step), state, meta)
+            self._writing = int(step)
+            return ok
         try:
-            self.manager.save(int(step), args=args.Composite(
-                state=args.StandardSave(state), meta=args.JsonSave(meta)), force=True)
+            self._write(int(step), state, meta)
         except Exception as e:  # noqa: BLE001 - a full disk, any I/O error: the fit goes on
             return self._failed(int(step), e)
         self._writing = int(step)
         if not self.asynchronous:
             ok = self.wait() and ok
         return ok
+
+    def _write(self, step, state, meta):
+        """Hand one step to Orbax (on the background thread when there is one: there
+        it also waits for the write, so its failure surfaces in `wait`)."""
+        meta = dict(meta, checksum=checksum(state), shapes=shapes(state))
+        args = self._ocp.args
+        self.manager.save(step, args=args.Composite(
+            state=args.StandardSave(state), meta=args.JsonSave(meta)), force=True)
+        if self._thread is not None:
+            self.manager.wait_until_finished()
 
     def wait(self) -> bool:
         """Wait for the save under way, if any; False (with a warning) if it failed.
@@ -258,13 +282,16 @@ class Checkpoints:
         if step is None:
             return True
         try:
-            self.manager.wait_until_finished()
+            if self._pending is not None:
+                self._pending.result()
+            else:
+                self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - see `save`
-            self._writing = None
+            self._writing = self._pending = None
             return self._failed(step, e)
         # Cleared only once the wait is over: a Ctrl-C inside the wait leaves the step
         # under way, to be waited for again.
-        self._writing, self.saved = None, step
+        self._writing, self._pending, self.saved = None, None, step
         return True
 
     def _failed(self, step, err) -> bool:
@@ -374,6 +401,8 @@ class Checkpoints:
         try:
             self.wait()
         finally:
+            if self._thread is not None:
+                self._thread.shutdown(wait=True)
             with contextlib.suppress(Exception):
                 self.manager.close()
             self._lock.release()
