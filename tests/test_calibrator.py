@@ -492,12 +492,13 @@ def test_one_fit_over_shared_parameters_refreshes_every_50_updates_by_default():
 
 @pytest.mark.parametrize("activation,B", [(jax.nn.softplus, 1), (jax.nn.relu, 2)])
 def test_neural_fields_fit_on_defaults(activation, B):
-    # An Equinox MLP right-hand side on the non-stiff path (Tsit5, remat on by
-    # default): as gs.Shared with one fit, and as per-fit MLPs (vmapped) with B = 2.
-    # These crashed in jax.checkpoint / dtype inference on the activation leaf (the
-    # engines' own MLP tests, tanh included, are in test_neural.py). The fit must run,
-    # stay finite and lower the loss; with remat off it computes the same numbers
-    # (recomputation changes no arithmetic: measured equal to the last bit; bound 1e-12).
+    # An Equinox MLP right-hand side on the non-stiff path (Tsit5): as gs.Shared with
+    # one fit (114 weights: remat off by default, config.default_remat), and as per-fit
+    # MLPs (vmapped) with B = 2 (not Shared: remat on). These crashed in
+    # jax.checkpoint / dtype inference on the activation leaf (the engines' own MLP
+    # tests, tanh included, are in test_neural.py). The fit must run, stay finite and
+    # lower the loss; with remat on it computes the same numbers (recomputation
+    # changes no arithmetic: measured equal to the last bit; bound 1e-12).
     K = 3
     prob = _neural_problem(B * K)
     data = jnp.full((B, K, 2), 0.3)
@@ -512,7 +513,8 @@ def test_neural_fields_fit_on_defaults(activation, B):
     loss = lambda ys, mlp, d: jnp.mean((ys - d) ** 2)  # noqa: E731
     cals = [gs.Calibrator(prob, loss, to_params=to_params, data=data,
                           optimizer=optax.adam(1e-2), remat=remat)
-            for remat in ((None, False) if B == 1 else (None,))]
+            for remat in ((None, True) if B == 1 else (None,))]
+    assert cals[0].config.remat is (B == 2)
     results = [cal.fit(theta0, steps=10, progress=False) for cal in cals]
     res = results[0]
     assert res.engine == "general_replay"

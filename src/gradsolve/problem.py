@@ -42,6 +42,14 @@ def unwrap_shared(params):
                         is_leaf=_is_shared)
 
 
+def shared_size(params) -> int:
+    """How many numbers the `Shared` leaves of `params` hold in all (a network's
+    weights, when the field is one)."""
+    nodes = jax.tree.leaves(params, is_leaf=_is_shared)
+    return sum(int(np.size(leaf)) for node in nodes if _is_shared(node)
+               for leaf in jax.tree.leaves(node.value) if eqx.is_array(leaf))
+
+
 def field(f_jax):
     """`f_jax` with `Shared` wrappers removed from its parameters: the right-hand side
     the steps call (`EnsembleProblem.f_one` is this for the problem's own `f_jax`)."""

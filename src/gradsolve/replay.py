@@ -41,7 +41,8 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
         params, y0: where to evaluate; default the problem's own.
         ts: optional 1-D array of output times inside `t_span` (see `interpolate`).
         remat: recompute the step in the backward sweep (`eqx.filter_checkpoint`;
-            default: on for non-stiff methods, and for stiff ones from 16 variables on).
+            default `config.default_remat`: on for non-stiff methods unless the field
+            carries a network, and for stiff ones from 16 variables on).
         interpolate: None (default): each output from the method's continuous
             extension on the mesh step containing it where the extension's order is
             >= 3 (Tsit5, Rodas5P: no evaluation of the field beyond the mesh's steps),
@@ -89,7 +90,7 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
             raise ValueError(f"engine={engine!r} runs on one device (devices=)")
         return ENGINE_REPLAYS[engine](prob, mesh, params, y0, ts, interpolate)
     if remat is None:
-        remat = default_remat(method, prob.stiff, prob.d)
+        remat = default_remat(method, prob)
     interpolate = resolve_interpolate(method, interpolate, ts)
     n = jnp.shape(y0)[0]  # (not prob.n: an engine may replay a piece of the ensemble)
     cfg = Config(rtol=mesh.rtol, atol=mesh.atol, method=mesh.method, ts=ts, remat=bool(remat),

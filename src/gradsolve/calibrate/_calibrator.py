@@ -108,7 +108,8 @@ class Calibrator:
             beyond the mesh's steps, which matters when there are many more outputs than
             steps (a neural ODE's data).
         remat: recompute each replay step in the backward sweep (`eqx.filter_checkpoint`;
-            default as `gs.value_and_grad`: on for non-stiff methods).
+            default as `gs.value_and_grad`: on for non-stiff methods but for a field
+            carrying a network, see `config.default_remat`).
         engine: None (router), or an engine name; `"diffrax"` runs the same loop on
             Diffrax gradients (no mesh) -- the fitting benchmark's baseline.
         recorder: None (router), `"general"` or `"fused"`: which recorder refreshes the
