@@ -4,9 +4,9 @@ series of 100 points on [0, 10] of `y' = (x_1, -x_0)`, `x = y / (1 + y)`, from
 `y0 ~ U(-0.6, 1)^2`; minibatches of 32 series, Adam 3e-3, Tsit5 at rtol 1e-3,
 atol 1e-6, outputs at the 100 times.
 
-- gradsolve: a `gs.Calibrator` (one fit, the MLP in `gs.Shared`, `batch_size=32`,
-  outputs from Tsit5's continuous extension (the default), the mesh refreshed every
-  `REFRESH` updates) on the router's engine;
+- gradsolve: a `gs.Calibrator` on its defaults (one fit, the MLP in `gs.Shared`,
+  `batch_size=32`; outputs from Tsit5's continuous extension, the mesh refreshed every
+  50 updates, remat off for a network) on the router's engine;
 - Diffrax: the example's `make_step` (`eqx.filter_jit` of `filter_value_and_grad`
   through `diffeqsolve` and the Optax update), minibatches from a NumPy permutation.
 
@@ -44,7 +44,7 @@ import optax  # noqa: E402
 
 import gradsolve as gs  # noqa: E402
 
-N_SERIES, BATCH, RTOL, ATOL, LR, REFRESH = 256, 32, 1e-3, 1e-6, 3e-3, 25
+N_SERIES, BATCH, RTOL, ATOL, LR = 256, 32, 1e-3, 1e-6, 3e-3
 
 
 def true_field(t, y, args):
@@ -84,7 +84,7 @@ def full_loss(mlp, y0, ts, data):
     return float(jnp.mean((jax.vmap(diffrax_solve, (None, 0, None))(mlp, y0, ts) - data) ** 2))
 
 
-def calibrator(ts, data, y0, mlp, refresh_every=REFRESH):
+def calibrator(ts, data, y0, mlp, refresh_every="auto"):
     """One fit over the problem's shared network (no fit axis): `(cal, theta0)`."""
     prob = gs.EnsembleProblem(mlp_field, y0=y0, params={"mlp": gs.Shared(mlp)},
                               t_span=(0.0, 10.0), name="neural_ode")
