@@ -40,30 +40,22 @@ from ..router import plan
 from ..status import Status
 from . import _fingerprint, _report, _result, _slots, _state, _transforms, _validate
 from ._checkpoint import Checkpoints, Schedule, check_directory, check_every, checksum
+from ._objective import MAX_UPDATES_PER_CALL, Objective, make_update, make_updates
 from ._result import FitResult
 from ._state import STATE_FORMAT, FitState, FitStatus
 
 
-# Updates run by one call of the compiled loop, at most (its loss record is this long),
-# and the wall time a call aims at: the host returns between calls to refresh, save,
-# report progress and take Ctrl-C, so a call runs as many updates as fit in
-# CALL_SECONDS by the last call's pace, cut at the next update where a refresh, drift
-# check or counted save is due. Results do not depend on it: every update, one per call
-# or many, runs the same compiled body.
 # refresh_every="auto" for one fit over shared parameters: on the neural ODE benchmark
 # (benchmarks/results/neural_ode.json, section "refresh", 300 updates) every 50 updates
 # reached a full-data loss of 0.2197 where never refreshing reached 0.2379, at 10.4 s
 # against 7.9 s; every 25 reached 0.2195 in 14.4 s (twice the records and recompiles).
 AUTO_REFRESH_EVERY = 50
-MAX_UPDATES_PER_CALL = 64
+# The wall time a call of the compiled loop aims at: the host returns between calls to
+# refresh, save, report progress and take Ctrl-C, so a call runs as many updates as fit
+# in CALL_SECONDS by the last call's pace (at most MAX_UPDATES_PER_CALL), cut at the
+# next update where a refresh, drift check or counted save is due. Results do not
+# depend on it: every update, one per call or many, runs the same compiled body.
 CALL_SECONDS = 0.1
-
-
-def _where(mask, new, old):
-    """Per-fit select over trees whose leaves lead with B."""
-    def pick(a, b):
-        return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
-    return jax.tree.map(pick, new, old)
 
 
 def _mesh_arrays(mesh):
@@ -234,130 +226,19 @@ class Calibrator:
         self.batch_size = batch_size
         self.drift_tol = None if drift_tol is None else float(drift_tol)
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
-        self._ys = self._engine.ys_function(self.problem, self.config, "reverse")
-        self._update = eqx.filter_jit(self._updates_impl)
+        self._compile(self.problem, optimizer)
         self._max_updates = MAX_UPDATES_PER_CALL  # 1: one update per call (tests)
-        self._replayed = eqx.filter_jit(self._replayed_impl)
 
-    # -- the per-update computation -------------------------------------------------
-
-    def _full_params(self, theta, K):
-        """Per-trajectory parameters of the whole ensemble from the B fits' theta."""
-        if self.to_params is None:
-            def one(theta_b):
-                return jax.tree.map(lambda x: jnp.broadcast_to(x, (K,) + jnp.shape(x))
-                                    if eqx.is_array(x) else x, theta_b)
-        else:
-            one = self.to_params
-        per_fit = eqx.filter_vmap(one)(theta)
-        B = jax.tree.leaves(theta)[0].shape[0] if jax.tree.leaves(theta) else 1
-
-        def merge(x):
-            if isinstance(x, Shared):
-                # Common to every trajectory of the ensemble: only one fit can own it.
-                if B != 1:
-                    raise ValueError("to_params may return gs.Shared parameters only when "
-                                     f"B == 1 (one fit owns them), got B={B}")
-                return Shared(jax.tree.map(lambda v: v[0] if eqx.is_array(v) else v,
-                                           x.value))
-            return x.reshape((-1,) + x.shape[2:]) if eqx.is_array(x) else x
-        return jax.tree.map(merge, per_fit, is_leaf=lambda v: isinstance(v, Shared))
-
-    def _full_y0(self, theta, y0):
-        """The initial states of the fits' trajectories: the problem's rows `y0`, or
-        `to_y0` of each fit."""
-        if self.to_y0 is None:
-            return y0
-        return eqx.filter_vmap(self.to_y0)(theta).reshape(y0.shape)
-
-    def _losses(self, u, static, mesh, data, y0, K, rows=None, arr=None):
-        """Per-fit losses; with `rows` `(B, m)`, on those m of each fit's K
-        trajectories (a minibatch) and their data."""
-        theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
-        params, y0 = self._full_params(theta, K), self._full_y0(theta, y0)
-        if rows is not None:
-            B, K = rows.shape
-            flat = (jnp.arange(B)[:, None] * (y0.shape[0] // B) + rows).reshape(-1)
-            params = trajectory_params(params, flat)
-            y0, mesh = y0[flat], None if mesh is None else mesh.take(flat)
-            data = None if data is None else jax.tree.map(
-                lambda d: jax.vmap(lambda d_b, r: d_b[r])(d, rows), data)
-        ys = self._ys(mesh, params, y0) if arr is None else layout.run(self._ys, arr, mesh,
-                                                                         params, y0)
-        ys_b = ys.reshape((-1, K) + ys.shape[1:])
-        batched = eqx.if_array(0)
-        axes = (batched, batched, None if data is None else batched)
-        return eqx.filter_vmap(self.loss, in_axes=axes)(ys_b, theta, data)
-
-    def _update_impl(self, state: FitState, static, mesh, data, y0, start, tol, grad_tol,
-                     cap, arr=None):
-        # `cap` is traced and `history` is written outside: the compiled update
-        # depends on the number of slots and the mesh width only, not on the number of
-        # steps. Nothing in it couples two fits: a fit's update depends on its own
-        # start index, steps, parameters, trajectories and data only -- which is what
-        # makes a start's result the same in whichever slot, beside whichever others.
-        B = state.active.shape[0]
-        K = y0.shape[0] // B
-        rows = None
-        if self.batch_size is not None:  # fit b's minibatch at its update t, from the key
-            rows = jax.vmap(lambda b, t: jax.random.choice(
-                jax.random.fold_in(jax.random.fold_in(state.key, b), t), K,
-                (self.batch_size,), replace=False))(start, state.steps)
-
-        def total(u):
-            losses = self._losses(u, static, mesh, data, y0, K, rows, arr)
-            # A non-finite fit adds nothing to the others' gradients.
-            return jnp.sum(jnp.where(jnp.isfinite(losses), losses, 0.0)), losses
-
-        (_, losses), grads = jax.value_and_grad(total, has_aux=True)(state.u)
-        grad_norm = jax.vmap(optax.tree.norm)(grads)
-        finite = jnp.isfinite(losses) & jnp.isfinite(grad_norm)
-        converged = jnp.zeros_like(finite)
-        if tol is not None:
-            converged = converged | (losses <= tol)
-        if grad_tol is not None:
-            converged = converged | (grad_norm <= grad_tol)
-        move = state.active & finite & ~converged
-        updates, opt_state = jax.vmap(self.optimizer.update)(grads, state.opt_state, state.u)
-        u = _where(move, optax.apply_updates(state.u, updates), state.u)
-        opt_state = _where(move, opt_state, state.opt_state)
-        steps = state.steps + move
-        status = jnp.select(
-            [~state.active, ~finite, converged, steps >= cap],
-            [state.status, FitStatus.NONFINITE, FitStatus.CONVERGED, FitStatus.STEP_CAP],
-            state.status).astype(state.status.dtype)
-        return layout.replicated(state._replace(
-            u=u, opt_state=opt_state, active=state.active & move & (steps < cap),
-            status=status, steps=steps, loss=jnp.where(state.active, losses, state.loss),
-            grad_norm=jnp.where(state.active, grad_norm, state.grad_norm),
-            update=state.update + 1), arr)
-
-    def _updates_impl(self, state: FitState, static, mesh, data, y0, start, tol, grad_tol,
-                      cap, n, refill, arr=None):
-        """Up to `n` updates (`_update_impl`) in one compiled loop, stopping early once
-        no fit is active or, with `refill` (starts waiting for a slot), once a slot's
-        fit has stopped, so that the host refills it before the next update as it would
-        between single updates. Returns the state, the number of updates run and, per
-        update, each slot's step count and activity before it and its loss."""
-        B = state.active.shape[0]
-        record = (jnp.zeros((MAX_UPDATES_PER_CALL, B), state.steps.dtype),
-                  jnp.zeros((MAX_UPDATES_PER_CALL, B), bool),
-                  jnp.zeros((MAX_UPDATES_PER_CALL, B), state.loss.dtype))
-        entered = state.active
-
-        def go_on(carry):
-            i, s, _ = carry
-            return (i < n) & s.active.any() & ~(refill & (entered & ~s.active).any())
-
-        def update(carry):
-            i, s, (steps, active, loss) = carry
-            new = self._update_impl(s, static, mesh, data, y0, start, tol, grad_tol, cap,
-                                    arr)
-            return i + 1, new, (steps.at[i].set(s.steps), active.at[i].set(s.active),
-                                loss.at[i].set(new.loss))
-        count, state, record = jax.lax.while_loop(
-            go_on, update, (jnp.zeros((), jnp.int32), state, record))
-        return state, count, record
+    def _compile(self, prob, optimizer):
+        """The pure parts over `prob` (the Calibrator's, or a profile's rows) and
+        their compiled forms."""
+        self.objective = Objective(
+            loss=self.loss, to_params=self.to_params, to_y0=self.to_y0,
+            transform=self.transform, batch_size=self.batch_size,
+            ys=self._engine.ys_function(prob, self.config, "reverse"))
+        self._update = eqx.filter_jit(make_updates(make_update(self.objective, optimizer)))
+        self._replayed = eqx.filter_jit(
+            lambda mesh, params, y0, arr: layout.run(self.objective.ys, arr, mesh, params, y0))
 
     # -- records --------------------------------------------------------------------
 
@@ -366,9 +247,10 @@ class Calibrator:
         to one of `Mesh.widened`'s few widths, at least `width`."""
         if not self._engine.serves("record"):
             return None, None
-        theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
+        theta = self.objective.theta(u, static)
         mesh = record_rows(self._engine, self.problem, self.config,
-                           params=self._full_params(theta, K), y0=self._full_y0(theta, y0))
+                           params=self.objective.params(theta, K),
+                           y0=self.objective.y0(theta, y0))
         ok = np.asarray(mesh.status).reshape(-1, K) == Status.SUCCESS
         return mesh.widened(width), ok.all(axis=1)
 
@@ -381,16 +263,13 @@ class Calibrator:
     def _drift(self, mesh, fresh, u, static, K, y0):
         """Per fit, the largest relative change of its replayed outputs from `mesh` to
         `fresh`."""
-        theta = _transforms.apply(self.transform, eqx.combine(u, static), "forward")
-        params, y0 = self._full_params(theta, K), self._full_y0(theta, y0)
+        theta = self.objective.theta(u, static)
+        params, y0 = self.objective.params(theta, K), self.objective.y0(theta, y0)
         old, new = (np.asarray(self._replayed(
             m, params, y0, self._arrangement(m, y0.shape[0], cache=False))
         ).reshape(y0.shape[0], -1) for m in (mesh, fresh))
         change = np.linalg.norm(old - new, axis=1) / np.linalg.norm(new, axis=1)
         return change.reshape(-1, K).max(axis=1)
-
-    def _replayed_impl(self, mesh, params, y0, arr):
-        return layout.run(self._ys, arr, mesh, params, y0)
 
     # -- what defines a fit -----------------------------------------------------------
 
@@ -405,7 +284,7 @@ class Calibrator:
         if state.mesh is not None:  # a fixed width: the hash must not depend on a record
             mesh = self._mesh(dict(jax.tree.map(_fingerprint.abstract, state.mesh),
                                    h=jax.ShapeDtypeStruct((prob.n, 8), state.mesh["h"].dtype)))
-        losses = functools.partial(self._losses, static=static, K=K)
+        losses = functools.partial(self.objective.losses, static=static, K=K)
         loss_jaxpr = jax.make_jaxpr(lambda u, m, d, y: losses(u, mesh=m, data=d, y0=y))(
             _fingerprint.abstract(state.u), mesh, _fingerprint.abstract(self.data), _fingerprint.abstract(prob.y0))
         opt_jaxpr = jax.make_jaxpr(jax.vmap(self.optimizer.update))(
@@ -659,14 +538,12 @@ class Calibrator:
         jobs.one_fit = False  # theta0 below leads with the grid points
         # Zero updates for the fixed leaf: it stays at its grid value exactly.
         jobs.optimizer = optax.chain(self.optimizer, optax.masked(optax.set_to_zero(), hold))
-        jobs._ys = self._engine.ys_function(prob, self.config, "reverse")
-        jobs._update = eqx.filter_jit(jobs._updates_impl)
-        jobs._replayed = eqx.filter_jit(jobs._replayed_impl)
+        jobs._compile(prob, jobs.optimizer)
         return jobs.fit(theta0, steps=steps, tol=tol, grad_tol=grad_tol, progress=progress,
                         slots=slots)
 
     def _step(self, window, static, tol, grad_tol, cap, n, refill):
-        """Up to `n` compiled updates of the slots' fits (`_updates_impl`)."""
+        """Up to `n` compiled updates of the slots' fits (`_objective.make_updates`)."""
         mesh = self._mesh(window.state.mesh)
         B = window.state.active.shape[0]
         batch = None if self.batch_size is None else B * self.batch_size
@@ -854,7 +731,7 @@ class Calibrator:
             "theta_b broadcast to K (no to_params)"
         try:
             got = eqx.filter_eval_shape(
-                lambda th: self._full_params(jax.tree.map(
+                lambda th: self.objective.params(jax.tree.map(
                     lambda x: x[None] if eqx.is_array(x) else x, th), K), theta_b)
         except Exception as e:
             raise TypeError(f"{what} failed on fit 0's theta: {type(e).__name__}: "

@@ -1,0 +1,201 @@
+"""The pure parts of a fit: what a fit minimises (`Objective`: theta -> per-fit
+losses) and one optimizer step of every slot's fit (`make_update`), run several at a
+time in one compiled loop (`make_updates`).
+
+Nothing here has a side effect or holds state between calls: the Calibrator builds
+these once from its settings and owns everything else -- slots, refreshes, drift
+checks, checkpoints, progress. Another kind of step (a least-squares or quasi-Newton
+one) is another `make_update` over the same `Objective`.
+
+    update = make_update(objective, optax.adam(1e-2))
+    updates = eqx.filter_jit(make_updates(update))
+    state, count, (steps, active, losses) = updates(state, static, mesh, data, y0,
+                                                    start, tol, grad_tol, cap, n, refill)
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from .. import layout
+from ..problem import Shared, trajectory_params
+from . import _transforms
+from ._state import FitState, FitStatus
+
+
+# The most updates one call of the compiled loop runs (its loss record is this long;
+# the host returns between calls for refreshes, drift checks, checkpoints and progress:
+# the Calibrator's CALL_SECONDS).
+MAX_UPDATES_PER_CALL = 64
+
+
+class Objective(eqx.Module):
+    """Theta -> per-fit losses on a mesh: the fits' parameters and initial states
+    (`to_params`, `to_y0`, the transform), the replay (`ys`, the engine's) and the
+    user's `loss`, and the minibatch draws (`batch_size` of each fit's K trajectories).
+
+    Every method is pure: the same arguments give the same numbers."""
+
+    loss: Callable
+    to_params: Callable | None
+    to_y0: Callable | None
+    transform: Any
+    ys: Callable  # ys(mesh, params, y0): the engine's replay
+    batch_size: int | None = eqx.field(static=True)
+
+    def theta(self, u, static):
+        """The fits' theta (constrained) from the optimised, unconstrained `u`."""
+        return _transforms.apply(self.transform, eqx.combine(u, static), "forward")
+
+    def params(self, theta, K):
+        """Per-trajectory parameters of the whole ensemble from the B fits' theta."""
+        if self.to_params is None:
+            def one(theta_b):
+                return jax.tree.map(lambda x: jnp.broadcast_to(x, (K,) + jnp.shape(x))
+                                    if eqx.is_array(x) else x, theta_b)
+        else:
+            one = self.to_params
+        per_fit = eqx.filter_vmap(one)(theta)
+        B = jax.tree.leaves(theta)[0].shape[0] if jax.tree.leaves(theta) else 1
+
+        def merge(x):
+            if isinstance(x, Shared):
+                # Common to every trajectory of the ensemble: only one fit can own it.
+                if B != 1:
+                    raise ValueError("to_params may return gs.Shared parameters only when "
+                                     f"B == 1 (one fit owns them), got B={B}")
+                return Shared(jax.tree.map(lambda v: v[0] if eqx.is_array(v) else v,
+                                           x.value))
+            return x.reshape((-1,) + x.shape[2:]) if eqx.is_array(x) else x
+        return jax.tree.map(merge, per_fit, is_leaf=lambda v: isinstance(v, Shared))
+
+    def y0(self, theta, y0):
+        """The initial states of the fits' trajectories: the problem's rows `y0`, or
+        `to_y0` of each fit."""
+        if self.to_y0 is None:
+            return y0
+        return eqx.filter_vmap(self.to_y0)(theta).reshape(y0.shape)
+
+    def rows(self, key, start, steps, K):
+        """Each slot's minibatch at its fit's current update, `(B, batch_size)` rows
+        of its K trajectories drawn without replacement from the fit's key (its start
+        index and update count folded in: the same in any slot, and after a resume);
+        None without minibatches."""
+        if self.batch_size is None:
+            return None
+        return jax.vmap(lambda b, t: jax.random.choice(
+            jax.random.fold_in(jax.random.fold_in(key, b), t), K,
+            (self.batch_size,), replace=False))(start, steps)
+
+    def losses(self, u, static, mesh, data, y0, K, rows=None, arr=None):
+        """Per-fit losses; with `rows` `(B, m)`, on those m of each fit's K
+        trajectories (a minibatch) and their data. `arr`: where the rows are replayed
+        (layout.py), None for one piece."""
+        theta = self.theta(u, static)
+        params, y0 = self.params(theta, K), self.y0(theta, y0)
+        if rows is not None:
+            B, K = rows.shape
+            flat = (jnp.arange(B)[:, None] * (y0.shape[0] // B) + rows).reshape(-1)
+            params = trajectory_params(params, flat)
+            y0, mesh = y0[flat], None if mesh is None else mesh.take(flat)
+            data = None if data is None else jax.tree.map(
+                lambda d: jax.vmap(lambda d_b, r: d_b[r])(d, rows), data)
+        ys = self.ys(mesh, params, y0) if arr is None else layout.run(self.ys, arr, mesh,
+                                                                        params, y0)
+        ys_b = ys.reshape((-1, K) + ys.shape[1:])
+        batched = eqx.if_array(0)
+        axes = (batched, batched, None if data is None else batched)
+        return eqx.filter_vmap(self.loss, in_axes=axes)(ys_b, theta, data)
+
+
+def _where(mask, new, old):
+    """Per fit (the leading axis), `new` where `mask` else `old`."""
+    def pick(a, b):
+        m = mask.reshape(mask.shape + (1,) * (a.ndim - 1))
+        return jnp.where(m, a, b)
+    return jax.tree.map(pick, new, old)
+
+
+def make_update(objective: Objective, optimizer):
+    """One first-order step of every slot's fit: `update(state, static, mesh, data, y0,
+    start, tol, grad_tol, cap, arr=None) -> state`.
+
+    A fit moves when it is active, its loss and gradient are finite and it has not
+    converged (`tol` on the loss, `grad_tol` on the gradient's norm); its status says
+    why it stopped. `cap` is traced: the compiled update depends on the number of slots
+    and the mesh width only, not on the number of steps. Nothing couples two fits: a
+    fit's update depends on its own start index, steps, parameters, trajectories and
+    data only -- which makes a start's result the same in whichever slot, beside
+    whichever others."""
+
+    def update(state: FitState, static, mesh, data, y0, start, tol, grad_tol, cap,
+               arr=None):
+        B = state.active.shape[0]
+        K = y0.shape[0] // B
+        rows = objective.rows(state.key, start, state.steps, K)
+
+        def total(u):
+            losses = objective.losses(u, static, mesh, data, y0, K, rows, arr)
+            # A non-finite fit adds nothing to the others' gradients.
+            return jnp.sum(jnp.where(jnp.isfinite(losses), losses, 0.0)), losses
+
+        (_, losses), grads = jax.value_and_grad(total, has_aux=True)(state.u)
+        grad_norm = jax.vmap(optax.tree.norm)(grads)
+        finite = jnp.isfinite(losses) & jnp.isfinite(grad_norm)
+        converged = jnp.zeros_like(finite)
+        if tol is not None:
+            converged = converged | (losses <= tol)
+        if grad_tol is not None:
+            converged = converged | (grad_norm <= grad_tol)
+        move = state.active & finite & ~converged
+        updates, opt_state = jax.vmap(optimizer.update)(grads, state.opt_state, state.u)
+        u = _where(move, optax.apply_updates(state.u, updates), state.u)
+        opt_state = _where(move, opt_state, state.opt_state)
+        steps = state.steps + move
+        status = jnp.select(
+            [~state.active, ~finite, converged, steps >= cap],
+            [state.status, FitStatus.NONFINITE, FitStatus.CONVERGED, FitStatus.STEP_CAP],
+            state.status).astype(state.status.dtype)
+        return layout.replicated(state._replace(
+            u=u, opt_state=opt_state, active=state.active & move & (steps < cap),
+            status=status, steps=steps, loss=jnp.where(state.active, losses, state.loss),
+            grad_norm=jnp.where(state.active, grad_norm, state.grad_norm),
+            update=state.update + 1), arr)
+    return update
+
+
+def make_updates(update):
+    """`update` run up to `n` times in one compiled loop: `updates(state, static, mesh,
+    data, y0, start, tol, grad_tol, cap, n, refill, arr=None) -> (state, count,
+    (steps, active, losses))`. It stops early once no fit is active or, with `refill`
+    (starts waiting for a slot), once a slot's fit has stopped, so that the host
+    refills it before the next update as it would between single updates. Returns the
+    state, the number of updates run and, per update, each slot's step count and
+    activity before it and its loss (`MAX_UPDATES_PER_CALL` rows, `count` of them
+    written)."""
+
+    def updates(state: FitState, static, mesh, data, y0, start, tol, grad_tol, cap, n,
+                refill, arr=None):
+        B = state.active.shape[0]
+        record = (jnp.zeros((MAX_UPDATES_PER_CALL, B), state.steps.dtype),
+                  jnp.zeros((MAX_UPDATES_PER_CALL, B), bool),
+                  jnp.zeros((MAX_UPDATES_PER_CALL, B), state.loss.dtype))
+        entered = state.active
+
+        def go_on(carry):
+            i, s, _ = carry
+            return (i < n) & s.active.any() & ~(refill & (entered & ~s.active).any())
+
+        def one(carry):
+            i, s, (steps, active, loss) = carry
+            new = update(s, static, mesh, data, y0, start, tol, grad_tol, cap, arr)
+            return i + 1, new, (steps.at[i].set(s.steps), active.at[i].set(s.active),
+                                loss.at[i].set(new.loss))
+        count, state, record = jax.lax.while_loop(
+            go_on, one, (jnp.zeros((), jnp.int32), state, record))
+        return state, count, record
+    return updates
