@@ -35,7 +35,7 @@ from ..config import DEFAULT_MAX_STEPS
 from ..record import record_rows
 from ..engines import recorder_of, with_recorder
 from ..mesh import Mesh
-from ..problem import Shared, _is_shared, as_problem, trajectory_params, unwrap_shared
+from ..problem import Shared, _is_shared, as_problem, trajectory_params
 from ..router import plan
 from ..status import Status
 from . import _fingerprint, _report, _result, _slots, _state, _transforms, _validate
@@ -360,8 +360,8 @@ class Calibrator:
             >>> more.resumed_from, more.updates, more.history.shape
             (20, 30, (30, 2))
         """
-        theta0 = self._with_fit_axis(theta0)
-        S, K = self._check_theta(theta0, steps)
+        theta0 = _validate.with_fit_axis(self, theta0)
+        S, K = _validate.check_fit(self, theta0, steps)
         B = _slots.check_slots(slots, S)
         tol, grad_tol = _validate.check_tol("tol", tol), _validate.check_tol("grad_tol", grad_tol)
         steps = int(steps)
@@ -598,164 +598,6 @@ class Calibrator:
         if cache:
             self._arrangements = (key, arr)
         return arr
-
-    def _with_fit_axis(self, theta0):
-        """`theta0` as `fit` works on it: leaves leading with B. A one-fit Calibrator's
-        (the class's "One fit") gets B = 1, from the problem's shared values when None."""
-        if not self.one_fit:
-            if theta0 is None:
-                raise ValueError(
-                    "theta0 is required: a pytree whose array leaves lead with the number "
-                    "of fits B (it defaults to the problem's own values only for one fit "
-                    "over a problem whose params are all gs.Shared, without to_params)")
-            return theta0
-        values = unwrap_shared(self.problem.params)
-        if theta0 is None:
-            theta0 = values
-
-        def shapes(tree):
-            return {jax.tree_util.keystr(p): list(np.shape(x))
-                    for p, x in jax.tree_util.tree_leaves_with_path(tree)
-                    if eqx.is_array(x) or isinstance(x, np.ndarray)}
-        if shapes(theta0) != shapes(values):
-            raise ValueError(
-                "theta0 of one fit over the problem's gs.Shared parameters must be shaped "
-                "as their values, without a fit axis (or None: start from them); expected "
-                f"{shapes(values)}, got {shapes(theta0)}")
-        return jax.tree.map(lambda x: jnp.asarray(x)[None] if eqx.is_array(x)
-                            or isinstance(x, np.ndarray) else x, theta0)
-
-    def _check_theta(self, theta0, steps):
-        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-            raise ValueError(f"steps must be a positive integer, got {steps!r}")
-        paths = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(theta0)
-                 if eqx.is_array(x)]
-        if not paths:
-            raise ValueError("theta0 must hold at least one array leaf leading with B")
-        for p, x in paths:
-            if not jnp.issubdtype(x.dtype, jnp.floating):
-                raise TypeError(f"theta0{jax.tree_util.keystr(p)} has dtype {x.dtype}; "
-                                f"fitted parameters must be floating point (e.g. 1.0, not 1)")
-        if self.to_params is None:  # theta is broadcast to the parameters as it is
-            _validate.check_theta_dtype(theta0, self.problem.y0.dtype, "")
-        sizes = {np.shape(x)[0] if np.ndim(x) else None for _, x in paths}
-        if len(sizes) != 1 or None in sizes:
-            raise ValueError(f"every array leaf of theta0 must lead with the number of "
-                             f"fits B; got leading sizes {sorted(map(str, sizes))}")
-        B = sizes.pop()
-        n = self.problem.n
-        if n % B:
-            raise ValueError(f"the problem's n={n} trajectories do not split into B={B} "
-                             f"fits of equal size")
-        for p, x in paths:
-            bad = ~np.isfinite(np.asarray(x)).reshape(B, -1).all(axis=1)
-            if bad.any():
-                raise ValueError(f"theta0{jax.tree_util.keystr(p)} holds non-finite values "
-                                 f"(fits {np.flatnonzero(bad)[:10].tolist()})")
-        if self.data is not None:
-            for path, x in jax.tree_util.tree_leaves_with_path(self.data):
-                if np.shape(x)[:1] != (B,):
-                    raise ValueError(f"data{jax.tree_util.keystr(path)} must lead with "
-                                     f"B={B}, got shape {np.shape(x)}")
-        _transforms.check(self.transform, theta0)
-        if self.batch_size is not None:
-            if self.batch_size > n // B:
-                raise ValueError(f"batch_size={self.batch_size} is more than a fit's "
-                                 f"K={n // B} trajectories")
-            for path, x in jax.tree_util.tree_leaves_with_path(self.data):
-                if np.shape(x)[:2] != (B, n // B):  # one fit: data given without its B
-                    want, shape = ((f"the fit's n={n} trajectories", np.shape(x)[1:])
-                                   if self.one_fit else
-                                   (f"(B, K) = ({B}, {n // B})", np.shape(x)))
-                    raise ValueError(
-                        f"with batch_size, data{jax.tree_util.keystr(path)} must lead with "
-                        f"{want} (a minibatch takes each fit's data of its drawn "
-                        f"trajectories), got shape {shape}")
-        self._check_to_params(theta0, n // B)
-        self._check_to_y0(theta0, n // B)
-        self._check_loss(theta0, n // B)
-        theta_b = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
-        _validate.check_optimizer(self.optimizer, _fingerprint.abstract(eqx.filter(theta_b, eqx.is_inexact_array)))
-        return B, n // B
-
-    def _check_loss(self, theta0, K):
-        """`loss` on fit 0's outputs, theta and data, traced abstractly: one real
-        number. The outputs are `(K, d)`, or `(K, len(ts), d)` (`batch_size` rows for a
-        minibatch) in the problem's dtype, as every engine's replay gives them."""
-        theta_b = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
-        rows = K if self.batch_size is None else self.batch_size
-        ts = () if self.config.ts is None else (len(self.config.ts),)
-        ys_b = jax.ShapeDtypeStruct((rows,) + ts + (self.problem.d,), self.problem.y0.dtype)
-        # A fit's data: leaves without their B; a minibatch's, its rows of (B, K, ...).
-        cut = (lambda s: s[1:]) if self.batch_size is None else (lambda s: (rows,) + s[2:])
-        data_b = None if self.data is None else jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(cut(np.shape(x)), np.asarray(x).dtype)
-            if eqx.is_array(x) or isinstance(x, np.ndarray) else x, self.data)
-        shown = f"ys_b {np.dtype(ys_b.dtype).name}{list(ys_b.shape)}"
-        try:
-            got = eqx.filter_eval_shape(self.loss, ys_b, theta_b, data_b)
-        except Exception as e:
-            raise TypeError(f"loss(ys_b, theta_b, data_b) failed on fit 0's inputs ({shown}): "
-                            f"{type(e).__name__}: {e}") from e
-        if not (isinstance(got, jax.ShapeDtypeStruct) and got.shape == ()
-                and jnp.issubdtype(got.dtype, jnp.floating)):
-            what = (f"{np.dtype(got.dtype).name}{list(got.shape)}"
-                    if isinstance(got, jax.ShapeDtypeStruct) else type(got).__name__)
-            raise ValueError(f"loss must return a scalar per fit (shape ()); loss(ys_b, "
-                             f"theta_b, data_b) returned {what} for {shown}: sum or average "
-                             f"over the fit's trajectories and times")
-
-    def _check_to_y0(self, theta0, K):
-        """`to_y0` on fit 0's theta, traced abstractly: `(K, d)` in the problem's dtype."""
-        if self.to_y0 is None:
-            return
-        theta_b = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
-        try:
-            got = eqx.filter_eval_shape(self.to_y0, theta_b)
-        except Exception as e:
-            raise TypeError(f"to_y0(theta_b) failed on fit 0's theta: {type(e).__name__}: "
-                            f"{e}") from e
-        want = (K, self.problem.d)
-        dtype = self.problem.y0.dtype
-        if not isinstance(got, jax.ShapeDtypeStruct) or got.shape != want or got.dtype != dtype:
-            what = (f"{np.dtype(got.dtype).name}{list(got.shape)}"
-                    if isinstance(got, jax.ShapeDtypeStruct) else type(got).__name__)
-            raise ValueError(f"to_y0(theta_b) must give the K={K} initial states of one fit, "
-                             f"{np.dtype(dtype).name}{list(want)}; got {what}")
-
-    def _check_to_params(self, theta0, K):
-        """`to_params` on fit 0's theta, traced abstractly: every parameter the problem
-        has, each shaped for K trajectories (or as the problem's `Shared` value)."""
-        theta_b = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
-        what = "to_params(theta_b)" if self.to_params is not None else \
-            "theta_b broadcast to K (no to_params)"
-        try:
-            got = eqx.filter_eval_shape(
-                lambda th: self.objective.params(jax.tree.map(
-                    lambda x: x[None] if eqx.is_array(x) else x, th), K), theta_b)
-        except Exception as e:
-            raise TypeError(f"{what} failed on fit 0's theta: {type(e).__name__}: "
-                            f"{e}") from e
-        want = jax.tree.map(
-            lambda x: x if _is_shared(x) else jax.ShapeDtypeStruct((K,) + x.shape[1:], x.dtype)
-            if eqx.is_array(x) else x, self.problem.params, is_leaf=_is_shared)
-        got, want = _fingerprint.array_shapes(got), _fingerprint.array_shapes(want)
-        if got != want:
-            missing = sorted(set(want) - set(got))
-            extra = sorted(set(got) - set(want))
-            wrong = [f"{k}: {got[k]} (expected {want[k]})" for k in sorted(set(got) & set(want))
-                     if got[k] != want[k]]
-            parts = ([f"missing {missing}"] if missing else []) + \
-                ([f"unexpected {extra}"] if extra else []) + \
-                ([f"wrong shape or dtype {', '.join(wrong)}"] if wrong else [])
-            if wrong:  # a theta0 of another dtype is the likely cause: name it
-                _validate.check_theta_dtype(theta0, self.problem.y0.dtype,
-                                   f"; {what} gives {', '.join(wrong)}")
-            raise ValueError(
-                f"{what} must give the K={K} trajectories of one fit the problem's "
-                f"parameters (leaves leading with K, the problem's dtypes; gs.Shared ones "
-                f"as in the problem): "
-                + "; ".join(parts))
 
     def _initial_state(self, u, static, S, K, steps, key):
         """The state of S starts, every one recorded at its theta0 (so the mesh width,
