@@ -473,21 +473,29 @@ def _neural_problem(n):
                               name="neural")
 
 
-def test_one_fit_over_shared_parameters_refreshes_every_50_updates_by_default():
+def test_a_fit_over_a_network_refreshes_by_default():
     # The default "auto": a network trained on the mesh recorded for its initial
-    # weights stops improving (docs/calibrator.md, section 4), so the form without a
-    # fit axis refreshes every AUTO_REFRESH_EVERY updates; a batched fit, the same fit
-    # written out as B = 1 with to_params among them, keeps never; explicit values stay.
-    from gradsolve.calibrate._calibrator import AUTO_REFRESH_EVERY
+    # weights stops improving or diverges (docs/calibrator.md, section 4), so a fit
+    # over one -- without a fit axis, or written out as B = 1 with to_params -- refreshes
+    # every ceil(6.25 K / rows) updates within [5, 50] (auto_refresh_every: the cost of
+    # a record against an update's); a field without a network never; explicit values
+    # stay.
+    from gradsolve.calibrate._calibrator import auto_refresh_every
+    assert [auto_refresh_every(n, b) for n, b in ((3, None), (256, 32), (1, None),
+                                                  (10000, 10), (64, 64))] == [7, 50, 7, 50, 7]
     prob, loss = _neural_problem(3), lambda ys, mlp, d: jnp.mean((ys - d) ** 2)  # noqa: E731
     data = jnp.full((3, 2), 0.3)
     one = gs.Calibrator(prob, loss, data=data)
-    assert one.one_fit and one.refresh_every == AUTO_REFRESH_EVERY == 50
+    assert one.one_fit and one.refresh_every == 7
+    assert gs.Calibrator(prob, loss, data=data, batch_size=1).refresh_every == 19
     written_out = gs.Calibrator(prob, loss, data=data[None],
                                 to_params=lambda mlp: {"mlp": gs.Shared(mlp)})
-    assert not written_out.one_fit and written_out.refresh_every is None
+    assert not written_out.one_fit and written_out.refresh_every == 7
     assert gs.Calibrator(prob, loss, data=data, refresh_every=None).refresh_every is None
     assert gs.Calibrator(prob, loss, data=data, refresh_every=7).refresh_every == 7
+    lorenz = gs.problems.lorenz(n=4)  # three numbers per trajectory: no network
+    assert gs.Calibrator(lorenz, lambda ys, th, d: jnp.sum(ys), data=jnp.zeros((4, 1)),
+                         to_params=lambda th: th).refresh_every is None
 
 
 @pytest.mark.parametrize("activation,B", [(jax.nn.softplus, 1), (jax.nn.relu, 2)])

@@ -31,11 +31,11 @@ import optax
 
 from .._version import __version__
 from .. import layout
-from ..config import DEFAULT_MAX_STEPS
+from ..config import DEFAULT_MAX_STEPS, NETWORK_SIZE
 from ..record import record_rows
 from ..engines import recorder_of, with_recorder
 from ..mesh import Mesh
-from ..problem import Shared, _is_shared, as_problem, trajectory_params
+from ..problem import Shared, _is_shared, as_problem, shared_size, trajectory_params
 from ..router import plan
 from ..status import Status
 from . import _fingerprint, _report, _result, _slots, _state, _transforms, _validate
@@ -45,11 +45,26 @@ from ._result import FitResult
 from ._state import STATE_FORMAT, FitState, FitStatus
 
 
-# refresh_every="auto" for one fit over shared parameters: on the neural ODE benchmark
-# (benchmarks/results/neural_ode.json, section "refresh", 300 updates) every 50 updates
-# reached a full-data loss of 0.2197 where never refreshing reached 0.2379, at 10.4 s
-# against 7.9 s; every 25 reached 0.2195 in 14.4 s (twice the records and recompiles).
-AUTO_REFRESH_EVERY = 50
+# refresh_every="auto" for a fit over a network (`gs.Shared` parameters of
+# config.NETWORK_SIZE numbers or more): re-record as often as keeps the records to ~10 %
+# of the fit's time. A record solves the fit's K trajectories forward once; an update
+# replays `rows` of them (its minibatch, else all K) forward and backward; on Diffrax's
+# neural ODE example a record of 256 trajectories took ~4.6 updates of 32 rows (26 ms
+# against 5.6 ms), ~0.6 update per K / rows. So every ceil(AUTO_REFRESH_PER_RATIO * K /
+# rows) updates, within AUTO_REFRESH_RANGE. Measured (benchmarks/neural_ode.py): the
+# Diffrax example (K / rows = 8: every 50) reached a full-data loss of 0.2197 where
+# never refreshing reached 0.2379 ("refresh": 300 updates); DiffEqFlux's spiral (K =
+# rows = 1: every 7) went from a loss of 192 to 1.2e4 (diverged) never refreshing, to
+# 8.9 every 25, 0.67 every 10, 0.32 every 5 and 0.058 every update, in 500 updates.
+AUTO_REFRESH_PER_RATIO = 6.25
+AUTO_REFRESH_RANGE = (5, 50)
+
+
+def auto_refresh_every(n: int, batch_size) -> int:
+    """`refresh_every="auto"` of one fit over a network with `n` trajectories and
+    minibatches of `batch_size` (None: all n); see `AUTO_REFRESH_PER_RATIO`."""
+    rows = n if batch_size is None else batch_size
+    return int(np.clip(np.ceil(AUTO_REFRESH_PER_RATIO * n / rows), *AUTO_REFRESH_RANGE))
 # The wall time a call of the compiled loop aims at: the host returns between calls to
 # refresh, save, report progress and take Ctrl-C, so a call runs as many updates as fit
 # in CALL_SECONDS by the last call's pace (at most MAX_UPDATES_PER_CALL), cut at the
@@ -107,10 +122,13 @@ class Calibrator:
         recorder: None (router), `"general"` or `"fused"`: which recorder refreshes the
             mesh (the engine then follows: `general_replay` or `fused_replay`).
         refresh_every: re-record the mesh at the current parameters every this many
-            updates (None: never). The default, `"auto"`, is `AUTO_REFRESH_EVERY` (50)
-            for one fit over shared parameters (a neural ODE's network, see the class)
-            and None otherwise: a network trained on the mesh recorded for its initial
-            weights stops improving (docs/calibrator.md, "The mesh during a fit").
+            updates (None: never). The default, `"auto"`, refreshes a fit over a network
+            (`gs.Shared` parameters of 64 numbers or more, or one fit over shared
+            parameters) every `auto_refresh_every(n, batch_size)` updates: 5 to 50, as
+            often as keeps the records to ~10 % of the fit's time (50 for 256
+            trajectories in minibatches of 32, 7 for one trajectory); other fits never.
+            A network trained on the mesh recorded for its initial weights stops
+            improving or diverges (docs/calibrator.md, "The mesh during a fit").
         drift_every, drift_tol: every `drift_every` updates, record afresh and compare
             the replayed final states with the fresh record's; if the relative change
             exceeds `drift_tol` adopt the fresh mesh. Figures land in `result.drift`.
@@ -195,7 +213,10 @@ class Calibrator:
             data = None if data is None else jax.tree.map(
                 lambda x: x[None] if eqx.is_array(x) or isinstance(x, np.ndarray) else x, data)
         if isinstance(refresh_every, str) and refresh_every == "auto":
-            refresh_every = AUTO_REFRESH_EVERY if self.one_fit else None
+            # A network (one fit: gs.Shared is one fit's) refreshes; other fields never.
+            network = shared_size(self.problem.params) >= NETWORK_SIZE
+            refresh_every = (auto_refresh_every(self.problem.n, batch_size)
+                             if self.one_fit or network else None)
         for name, v in (("refresh_every", refresh_every), ("drift_every", drift_every),
                         ("batch_size", batch_size)):
             if v is not None and (not isinstance(v, int) or v < 1):
