@@ -80,6 +80,38 @@ def test_relative_dir_ctrl_c_and_resume_after_refresh(tmp_path, monkeypatch, ref
     assert set_aside(tmp_path / "runs/fit") == []
 
 
+class _CtrlC:
+    """An update's losses that raise KeyboardInterrupt when the host reads them: a
+    Ctrl-C after the compiled call returned, during the host's bookkeeping."""
+
+    def __array__(self, *args, **kwargs):
+        raise KeyboardInterrupt("Ctrl-C while the host writes the history")
+
+
+def test_ctrl_c_between_an_update_and_its_history_resumes_bit_identically(tmp_path,
+                                                                          reference):
+    # Found by a new user's script (a real SIGINT): a Ctrl-C after a call's updates
+    # came back but before their losses reached the history saved their state without
+    # those history rows, and the resumed fit kept them NaN (7 rows of 3000). The
+    # state is now settled only with its history written.
+    cal = calibrator(tmp_path / "fit", checkpoint_every=5)
+    cal._max_updates = 1
+    update, calls = cal._update, []
+
+    def ctrl_c_at_13(*args, **kwargs):
+        new, count, (at, ran, losses) = update(*args, **kwargs)
+        calls.append(1)
+        return new, count, (at, ran, _CtrlC() if len(calls) == 13 else losses)
+    cal._update = ctrl_c_at_13
+    with pytest.raises(KeyboardInterrupt):
+        cal.fit(THETA0, steps=STEPS, progress=False)
+    assert steps_in(tmp_path / "fit") == [5, 10, 12]  # update 13 is not kept
+    res = calibrator(tmp_path / "fit", checkpoint_every=5).fit(THETA0, steps=STEPS,
+                                                                progress=False)
+    assert res.resumed_from == 12 and not np.isnan(res.history).any()
+    assert_same_state(res, reference[0])
+
+
 def test_a_full_disk_at_a_save_keeps_the_fit_and_names_the_last_step(tmp_path, reference):
     # A full disk during a save ended the fit with Orbax's raw `ValueError:
     # RESOURCE_EXHAUSTED ...` (measured on a 200 kB tmpfs) and the updates since the

@@ -444,12 +444,16 @@ class Calibrator:
                     new, count, (at, ran, losses) = self._step(window, static, tol,
                                                                grad_tol, cap, n, queue)
                     window, count = window._replace(state=new), int(count)
-                    settled = window
                     pace = (time.perf_counter() - began) / count
                     # A fit's history row t is its loss at its update t.
                     at, ran, losses = (np.asarray(x)[:count] for x in (at, ran, losses))
                     state.history[at[ran], np.broadcast_to(window.start, ran.shape)[ran]] = \
                         losses[ran]
+                    # Settled only with its history written: a Ctrl-C before this line
+                    # keeps the window as it was before the call (the resumed fit runs
+                    # those updates again, to the same numbers), never updates whose
+                    # losses are missing from the history.
+                    settled = window
                     done += count
                     _report.show(bar, state, window, queue, count)
                     if store is not None and schedule.due(done):
