@@ -1,6 +1,6 @@
 """Scaling an ensemble: several devices, buckets by step count, a memory budget.
 
-The three ways `gs.value_and_grad` cuts an ensemble along its rows (layout.py), each
+The three ways `gs.value_and_grad` cuts an ensemble along its rows (`layout/`), each
 measured where it is meant to pay: the gradient of `sum(ys ** 2)` of the final states
 w.r.t. every trajectory's parameters, Tsit5, rtol 1e-6, atol 1e-9, float64,
 `engine="general_replay"`; warm medians of the gradient call (the record done before).

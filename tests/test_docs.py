@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 
-MODULES = ["gradsolve.problem", "gradsolve.mesh", "gradsolve.record", "gradsolve.replay", "gradsolve.layout",
+MODULES = ["gradsolve.problem", "gradsolve.mesh", "gradsolve.record", "gradsolve.replay", "gradsolve.layout._arrangement",
            "gradsolve.grad", "gradsolve.solve", "gradsolve.router", "gradsolve.status",
            "gradsolve.methods._tableau", "gradsolve.fields._systems", "gradsolve.fields._neural",
            "gradsolve.warp._registry",

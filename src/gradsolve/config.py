@@ -26,7 +26,7 @@ class Config:
     ts: Any = None
     remat: Any = None
     interpolate: bool = False
-    devices: Any = None          # the 1-D device mesh of the ensemble axis (layout.py)
+    devices: Any = None          # the 1-D device mesh of the ensemble axis (`layout/`)
     memory_budget: int | None = None  # bytes per device (None: not chunked)
     buckets: int | None = None   # replay buckets (None: layout.arrange's rule)
 

@@ -148,7 +148,7 @@ class ValueAndGrad:
         self._arrange()
 
     def _arrange(self):
-        """Where each trajectory is replayed: devices, buckets, chunks (layout.py); None
+        """Where each trajectory is replayed: devices, buckets, chunks (`layout/`); None
         for an engine that does not split (it runs the whole ensemble itself)."""
         self.arrangement = None if not self._engine.splits else layout.for_replay(
             self.mesh, self.problem.n, self.config, self.problem.d,

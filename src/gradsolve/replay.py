@@ -104,7 +104,7 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
 
 @eqx.filter_jit
 def arranged_replay(f_jax, method, mesh, params, y0, ts, remat, interpolate, arr):
-    """`_replay` of every row, placed as the arrangement `arr` says (layout.py);
+    """`_replay` of every row, placed as the arrangement `arr` says (`layout/`);
     compiled once per field, method, shapes and arrangement."""
     return layout.run(lambda m, p, y: _replay(f_jax, method, m, p, y, ts, remat, interpolate),
                       arr, mesh, params, y0)

@@ -603,7 +603,7 @@ class Calibrator:
         return max(n, 1)
 
     def _arrangement(self, mesh, n, batch=None, cache=True):
-        """Where `n` trajectories are replayed on `mesh` (layout.py): made anew when the
+        """Where `n` trajectories are replayed on `mesh` (`layout/`): made anew when the
         mesh's step counts change, its bucket widths never shrinking within a fit (each
         new set of widths is a new compiled update). A minibatch (`batch` rows drawn
         inside the update) is replayed as one bucket."""

@@ -94,7 +94,7 @@ class Objective(eqx.Module):
     def losses(self, u, static, mesh, data, y0, K, rows=None, arr=None):
         """Per-fit losses; with `rows` `(B, m)`, on those m of each fit's K
         trajectories (a minibatch) and their data. `arr`: where the rows are replayed
-        (layout.py), None for one piece."""
+        (`layout/`), None for one piece."""
         theta = self.theta(u, static)
         params, y0 = self.params(theta, K), self.y0(theta, y0)
         if rows is not None:

@@ -100,7 +100,7 @@ class Engine(eqx.Module):
         gradients_by: for a forward-only engine, the engine that differentiates
             what it solves (named in its refusal of a gradient request).
         one_device: None if its work may be split over devices (`devices=`,
-            layout.py), else why not: it then runs on one device by default, and the
+            layout/), else why not: it then runs on one device by default, and the
             router refuses it several naming this.
         interpolates: the tasks on which it serves `ts` from the method's continuous
             extension (`interpolate=True`); `interpolates_with` refines it per method

@@ -42,7 +42,7 @@ class Diffrax(Engine, Solves, Differentiates):
     routes: ClassVar[tuple[str, ...]] = ("solve",)
     # Equinox's closure conversion inside Diffrax refuses shard_map's device-local
     # arguments (jax 0.10 / diffrax 0.7.2); automatic sharding of its vmapped loop
-    # would make every loop condition a collective -- the trap layout.py avoids.
+    # would make every loop condition a collective -- the trap layout/ avoids.
     one_device: ClassVar[str] = "Diffrax's solve does not run under shard_map"
     checkpoints: int | None = None
     solver: Any = None
