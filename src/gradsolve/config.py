@@ -8,7 +8,7 @@ import numpy as np
 
 from . import layout, methods
 from .methods._rosenbrock import uses_time
-from .problem import shared_size, trajectory_params
+from .problem import evaluation_size, shared_size, trajectory_params
 
 
 DEFAULT_MAX_STEPS = 4096
@@ -29,6 +29,9 @@ class Config:
     devices: Any = None          # the 1-D device mesh of the ensemble axis (`layout/`)
     memory_budget: int | None = None  # bytes per device (None: not chunked)
     buckets: int | None = None   # replay buckets (None: layout.arrange's rule)
+    # Numbers one field evaluation computes (problem.evaluation_size), what a replay
+    # without remat keeps per stage at most: the memory model's (0: the state's d).
+    evaluation_size: int = 0
 
 
 def check_tolerances(rtol, atol):
@@ -145,4 +148,5 @@ def make_config(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STE
                   devices=layout.device_mesh(devices, prob.n)
                   if splits or devices is not None else None,
                   memory_budget=layout.budget_bytes(memory_budget),
-                  buckets=layout.check_buckets(buckets))
+                  buckets=layout.check_buckets(buckets),
+                  evaluation_size=0 if remat else evaluation_size(prob))

@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import jaxprs_in_params
 
 
 class Shared(eqx.Module):
@@ -48,6 +49,24 @@ def shared_size(params) -> int:
     nodes = jax.tree.leaves(params, is_leaf=_is_shared)
     return sum(int(np.size(leaf)) for node in nodes if _is_shared(node)
                for leaf in jax.tree.leaves(node.value) if eqx.is_array(leaf))
+
+
+def evaluation_size(prob) -> int:
+    """How many numbers one evaluation of the field computes for one trajectory: every
+    intermediate of its jaxpr (nested calls included). A replay without remat keeps
+    what the backward sweep needs of each stage -- at most this -- for every step;
+    a network's hidden activations make it far more than the state's d numbers."""
+    def size(jaxpr) -> int:
+        total = 0
+        for eqn in jaxpr.eqns:
+            total += sum(int(np.prod(v.aval.shape)) for v in eqn.outvars
+                         if hasattr(v.aval, "shape"))
+            for sub in jaxprs_in_params(eqn.params):
+                total += size(sub)
+        return total
+    closed = eqx.filter_make_jaxpr(prob.f_one)(
+        prob.y0.dtype.type(prob.t_span[0]), prob.y0[0], trajectory_params(prob.params, 0))[0]
+    return max(size(closed.jaxpr), prob.d)
 
 
 def field(f_jax):

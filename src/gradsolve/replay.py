@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from . import layout, methods
 from .config import Config, check_interpolate, check_ts, default_remat, resolve_interpolate
 from .mesh import Mesh
-from .problem import as_problem, field, param_axes
+from .problem import as_problem, evaluation_size, field, param_axes
 from .status import Status
 
 # The replays by name other than the JAX replay below: `name -> run(prob, mesh, params,
@@ -96,7 +96,8 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
     cfg = Config(rtol=mesh.rtol, atol=mesh.atol, method=mesh.method, ts=ts, remat=bool(remat),
                  interpolate=interpolate, devices=layout.device_mesh(devices, n),
                  memory_budget=layout.budget_bytes(memory_budget),
-                 buckets=layout.check_buckets(buckets))
+                 buckets=layout.check_buckets(buckets),
+                 evaluation_size=0 if remat else evaluation_size(prob))
     arr = layout.for_replay(mesh, n, cfg, prob.d, jnp.dtype(y0.dtype).itemsize)
     return arranged_replay(prob.f_jax, method, mesh, params, y0, ts, bool(remat),
                            interpolate, arr)

@@ -207,7 +207,7 @@ def for_replay(mesh, n, cfg, d, itemsize, *, gradient=True, min_widths=None):
     if mesh is not None:
         per_row = replay_bytes(methods.get(cfg.method), d, mesh.columns, itemsize,
                                remat=bool(cfg.remat), n_ts=0 if cfg.ts is None else len(cfg.ts),
-                               gradient=gradient)
+                               gradient=gradient, evaluation_size=cfg.evaluation_size)
         rows = -(-n // size(cfg.devices))
         held = held_bytes(rows, mesh.columns, d, itemsize)
         if held + rows * per_row > cfg.memory_budget:

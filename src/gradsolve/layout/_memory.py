@@ -52,16 +52,19 @@ def _stages(method) -> int:
 
 
 def replay_bytes(method, d: int, width: int, itemsize: int, *, remat: bool, n_ts: int = 0,
-                 gradient: bool = True) -> int:
+                 gradient: bool = True, evaluation_size: int = 0) -> int:
     """Bytes one trajectory's replay keeps live at `width` columns: the state and time
     at every column (the scan's saved carry), and without `remat` every step's stages
-    (d x d Jacobians for implicit methods); twice that for a gradient (the cotangents
-    of the same shapes), plus the outputs. The estimate the chunks are sized by; against
-    measured peaks in docs/benchmarks.md ("Scaling": 1.79 GB estimated, 1.85 GB
-    measured above the process's start, for 2^20 Lorenz rows under 2 GB)."""
+    -- each what one evaluation of the field computes (`evaluation_size`, at least d:
+    a network's activations) -- and d x d Jacobians for implicit methods; twice that
+    for a gradient (the cotangents of the same shapes), plus the outputs. The estimate
+    the chunks are sized by; against measured peaks in docs/benchmarks.md ("Scaling":
+    1.79 GB estimated, 1.85 GB measured above the process's start, for 2^20 Lorenz rows
+    under 2 GB)."""
     per_column = d + 1
     if not remat:
-        per_column += _stages(method) * d + (d * d if method.implicit else 0)
+        per_column += (_stages(method) * max(d, evaluation_size)
+                       + (d * d if method.implicit else 0))
     live = width * per_column + (n_ts + 1) * (d + 1) * (width > 0) + 4 * d
     return int(itemsize * live * (2 if gradient else 1))
 
