@@ -8,7 +8,7 @@ import numpy as np
 
 from . import layout, methods
 from .methods._rosenbrock import uses_time
-from .problem import evaluation_size, shared_size, trajectory_params
+from .problem import evaluation_size, network_size, trajectory_params
 
 
 DEFAULT_MAX_STEPS = 4096
@@ -79,8 +79,9 @@ def check_method(prob, name):
     return method
 
 
-# A field whose `gs.Shared` parameters hold at least this many numbers (a network's
-# weights) is replayed without recomputing steps (`default_remat`).
+# A field whose networks hold at least this many numbers per trajectory
+# (`problem.network_size`: a `gs.Shared` network's weights, or each trajectory's own)
+# is replayed without recomputing steps (`default_remat`).
 NETWORK_SIZE = 64
 
 
@@ -88,14 +89,14 @@ def default_remat(method, prob) -> bool:
     """Recompute the step in the backward sweep (`jax.checkpoint`)? For stiff
     (implicit) methods only from 16 variables on, where the stored stage intermediates
     (Jacobians, factorizations) grow as d^2. For explicit ones, on -- unless the field
-    carries a network (`gs.Shared` parameters of `NETWORK_SIZE` numbers or more): each
+    carries a network (`problem.network_size` of `NETWORK_SIZE` numbers or more): each
     of its evaluations then costs a multiply-add per weight, far more than storing the
     step's stages. Measured on Diffrax's neural ODE example (benchmarks/neural_ode.py,
     a Calibrator, refresh every 50 updates): 7.76 -> 5.94 ms per update in float64,
     7.52 -> 5.77 in float32; on Lorenz (3 parameters) storing was slower at small n."""
     if method.implicit or prob.stiff:
         return prob.d >= 16
-    return shared_size(prob.params) < NETWORK_SIZE
+    return network_size(prob.params) < NETWORK_SIZE
 
 
 # `interpolate=None` (the default everywhere) serves `ts` from the method's continuous

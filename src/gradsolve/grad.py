@@ -213,7 +213,8 @@ def value_and_grad(prob, loss, *, wrt="params", mode="reverse", rtol=1e-6, atol=
             the baseline) or an engine object such as `gs.engines.Diffrax(checkpoints=)`.
         ts: output times (see `interpolate`).
         remat: recompute steps in the backward sweep (default on for non-stiff
-            methods unless `gs.Shared` parameters hold 64 numbers or more -- a network;
+            methods unless the field carries a network of 64 numbers or more per
+            trajectory, `gs.Shared` or its own;
             for stiff ones from 16 variables on: `config.default_remat`).
         interpolate: how `ts` is served. None (default): from the method's
             continuous extension where it has one of order >= 3 (Tsit5, Rodas5P) and

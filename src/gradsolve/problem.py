@@ -43,12 +43,22 @@ def unwrap_shared(params):
                         is_leaf=_is_shared)
 
 
-def shared_size(params) -> int:
-    """How many numbers the `Shared` leaves of `params` hold in all (a network's
-    weights, when the field is one)."""
-    nodes = jax.tree.leaves(params, is_leaf=_is_shared)
-    return sum(int(np.size(leaf)) for node in nodes if _is_shared(node)
-               for leaf in jax.tree.leaves(node.value) if eqx.is_array(leaf))
+def network_size(params) -> int:
+    """How many numbers one trajectory's networks hold: every array in a `Shared`
+    subtree (a network common to the ensemble: its weights), and per trajectory the
+    arrays of any other Equinox module among `params` (a network per trajectory, made
+    with `eqx.filter_vmap`: its leaves lead with n). Plain per-trajectory arrays (rate
+    constants, a PEtab model's parameters) are not counted."""
+    def arrays(tree):
+        return [x for x in jax.tree.leaves(tree) if eqx.is_array(x)]
+    total = 0
+    for node in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, eqx.Module)):
+        if _is_shared(node):
+            total += sum(int(np.size(x)) for x in arrays(node.value))
+        elif isinstance(node, eqx.Module):
+            total += sum(int(np.size(x)) // max(int(np.shape(x)[0]), 1)
+                         for x in arrays(node) if np.ndim(x))
+    return total
 
 
 def evaluation_size(prob) -> int:

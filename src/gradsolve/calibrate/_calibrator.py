@@ -35,7 +35,7 @@ from ..config import DEFAULT_MAX_STEPS, NETWORK_SIZE
 from ..record import record_rows
 from ..engines import recorder_of, with_recorder
 from ..mesh import Mesh
-from ..problem import Shared, _is_shared, as_problem, shared_size, trajectory_params
+from ..problem import Shared, _is_shared, as_problem, network_size, trajectory_params
 from ..router import plan
 from ..status import Status
 from . import _fingerprint, _report, _result, _slots, _state, _transforms, _validate
@@ -123,11 +123,13 @@ class Calibrator:
         recorder: None (router), `"general"` or `"fused"`: which recorder refreshes the
             mesh (the engine then follows: `general_replay` or `fused_replay`).
         refresh_every: re-record the mesh at the current parameters every this many
-            updates (None: never). The default, `"auto"`, refreshes a fit over a network
-            (`gs.Shared` parameters of 64 numbers or more, or one fit over shared
-            parameters) every `auto_refresh_every(n, batch_size)` updates: 5 to 50, as
-            often as keeps the records to ~10 % of the fit's time (50 for 256
-            trajectories in minibatches of 32, 7 for one trajectory); other fits never.
+            updates (None: never). The default, `"auto"`, refreshes fits over a network
+            (64 numbers or more per trajectory, `problem.network_size`: a `gs.Shared`
+            one or one per trajectory; or one fit over shared parameters) every
+            `auto_refresh_every(n, batch_size)` updates: 5 to 50, as often as keeps the
+            records to ~10 % of the fit's time (50 for 256 trajectories in minibatches
+            of 32, 7 without minibatches; B fits with minibatches get one fit's
+            interval over all n, which is longer); other fits never.
             A network trained on the mesh recorded for its initial weights stops
             improving or diverges (docs/calibrator.md, "The mesh during a fit").
         drift_every, drift_tol: every `drift_every` updates, record afresh and compare
@@ -214,8 +216,9 @@ class Calibrator:
             data = None if data is None else jax.tree.map(
                 lambda x: x[None] if eqx.is_array(x) or isinstance(x, np.ndarray) else x, data)
         if isinstance(refresh_every, str) and refresh_every == "auto":
-            # A network (one fit: gs.Shared is one fit's) refreshes; other fields never.
-            network = shared_size(self.problem.params) >= NETWORK_SIZE
+            # A network refreshes (shared: one fit's; or each trajectory's); other
+            # fields never.
+            network = network_size(self.problem.params) >= NETWORK_SIZE
             refresh_every = (auto_refresh_every(self.problem.n, batch_size)
                              if self.one_fit or network else None)
         for name, v in (("refresh_every", refresh_every), ("drift_every", drift_every),
