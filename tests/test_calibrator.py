@@ -570,3 +570,26 @@ def _assert_first_update_is_diffrax_adam(res, y0, data, theta0, loss):
         assert abs(res.history[0, b] - value) / value < 2e-4, b
         assert abs(res.grad_norm[b] - norm) / norm < 8e-2, b
         assert step < 1e-3 * 1e-2, b
+
+
+def test_a_profile_takes_its_rows_of_a_per_trajectory_dt0():
+    # A profile replays G copies of the best fit's K trajectories (here 3 x 2 > n = 4);
+    # with a first step per trajectory it indexed the original n rows' dt0 with the
+    # profile's rows (IndexError: index 4 is out of bounds for axis 0 with size 4). The
+    # same first step given per trajectory and as one number gives the same profile,
+    # bit for bit.
+    B, K = 2, 2
+    rates = jnp.array([0.5, 1.0])
+    prob = gs.EnsembleProblem(lambda t, y, k: -k * y, y0=jnp.ones((B * K, 1)),
+                              params=jnp.ones(B * K), t_span=(0.0, 1.0))
+    data = jnp.exp(-jnp.array([1.0, 2.0])[:, None] * rates)[:, :, None]
+
+    def profile(dt0):
+        cal = gs.Calibrator(prob, lambda ys, th, d: jnp.sum((th["c"] * ys - d) ** 2),
+                            data=data, to_params=lambda th: th["k"] * rates,
+                            optimizer=optax.adam(0.1), dt0=dt0)
+        res = cal.fit({"k": jnp.ones(B), "c": jnp.ones(B)}, steps=5, progress=False)
+        return cal.profile(res, "k", grid=[0.8, 1.0, 1.2], steps=3, progress=False)
+    per_row, scalar = profile(jnp.full(B * K, 0.01)), profile(0.01)
+    np.testing.assert_array_equal(per_row.history, scalar.history)
+    assert np.all(np.isfinite(per_row.loss))

@@ -19,6 +19,7 @@ loss history lives on the host. A refreshed mesh is padded to one of a few width
 """
 
 import copy
+import dataclasses
 import functools
 import json
 import time
@@ -565,6 +566,9 @@ class Calibrator:
         jobs = copy.copy(self)
         jobs.problem, jobs.data, jobs.checkpoint_dir, jobs.checkpoint_every = prob, data, None, None
         jobs.one_fit = False  # theta0 below leads with the grid points
+        if np.ndim(self.config.dt0):  # a first step per trajectory: the profile's rows'
+            jobs.config = dataclasses.replace(self.config,
+                                              dt0=np.asarray(self.config.dt0)[rows])
         # Zero updates for the fixed leaf: it stays at its grid value exactly.
         jobs.optimizer = optax.chain(self.optimizer, optax.masked(optax.set_to_zero(), hold))
         jobs._compile(prob, jobs.optimizer)
