@@ -263,8 +263,8 @@ class Calibrator:
             transform=self.transform, batch_size=self.batch_size,
             ys=self._engine.ys_function(prob, self.config, "reverse"))
         self._update = eqx.filter_jit(make_updates(make_update(self.objective, optimizer)))
-        self._replayed = eqx.filter_jit(
-            lambda mesh, params, y0, arr: layout.run(self.objective.ys, arr, mesh, params, y0))
+        self._replayed = eqx.filter_jit(lambda mesh, params, y0, arr: layout.run(
+            self.objective.ys, arr, mesh, params, y0))
 
     # -- records --------------------------------------------------------------------
 

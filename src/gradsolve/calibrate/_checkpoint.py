@@ -11,11 +11,11 @@ What a checkpoint directory guarantees:
   background thread hands it to Orbax and waits for the write while the fit goes on,
   and the next save (or the fit's end) waits for it first: one save under way at a
   time. Orbax's own asynchronous mode did part of each save on the caller's thread
-  (its threads, directories and handlers): on the checkpoint benchmark's fit (80 saves,
-  ~2.3 ms per update) the fit's thread spent 1.0 s in saves that way and 0.3 s this
-  way (the host copy, and waiting for a save still under way). A job of several processes (`gs.distributed`) saves
-  with Orbax's own asynchronous mode: its saves synchronise the processes, which
-  belongs on each process's main thread.
+  (its threads, directories and handlers): on the checkpoint benchmark's fit (80
+  saves, ~2.3 ms per update) the fit's thread spent 1.0 s in saves that way and 0.3 s
+  this way (the host copy, and waiting for a save still under way). A job of several
+  processes (`gs.distributed`) saves with Orbax's own asynchronous mode: its saves
+  synchronise the processes, which belongs on each process's main thread.
 - **A failed save is not fatal.** A save that fails (a full disk; a background save's
   error surfaces when it is waited for) is reported by a warning naming the step and
   the last step saved; the fit's state stays in memory and the next save writes it.

@@ -195,7 +195,8 @@ def check_fit(cal, theta0, steps):
     check_to_y0(cal, theta0, n // B)
     check_loss(cal, theta0, n // B)
     theta_b = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
-    check_optimizer(cal.optimizer, _fingerprint.abstract(eqx.filter(theta_b, eqx.is_inexact_array)))
+    check_optimizer(cal.optimizer,
+                    _fingerprint.abstract(eqx.filter(theta_b, eqx.is_inexact_array)))
     return B, n // B
 
 
