@@ -93,7 +93,10 @@ _FORWARD_BODY = _FORWARD_START + """        for c in range(width):
                 ys_out[i, j, k] = out[k]
 """
 
-_BACKWARD_BODY = """
+# Both backward kernels: a live trajectory walks its mesh points from the last to
+# the first, `lam` the cotangent of the state there (`ct` at t1 without outputs),
+# `j` the last output not yet taken.
+_BACKWARD_START = """
     i = wp.tid()
     live = int(0)
     if i < m:
@@ -106,7 +109,9 @@ _BACKWARD_BODY = """
         j = n_ts - 1
         for back in range(width + 1):
             c = width - back
-            yc = V()
+"""
+
+_BACKWARD_BODY = _BACKWARD_START + """            yc = V()
             for k in range(D):
                 yc[k] = states[i, c, k]
             # The outputs based at mesh point c (base is nondecreasing in j).
@@ -157,20 +162,7 @@ _FORWARD_DENSE_BODY = _FORWARD_START + """        j = int(0)
             j = j + 1
 """
 
-_BACKWARD_DENSE_BODY = """
-    i = wp.tid()
-    live = int(0)
-    if i < m:
-        live = ok[i]
-    if live == 1:
-        lam = V()
-        if n_ts == 0:
-            for k in range(D):
-                lam[k] = ct[i, 0, k]
-        j = n_ts - 1
-        for back in range(width + 1):
-            c = width - back
-            # The outputs at mesh point c with no step after it (the end): its state.
+_BACKWARD_DENSE_BODY = _BACKWARD_START + """            # The outputs at mesh point c with no step after it (the end): its state.
             more = int(1)
             while more == 1:
                 more = 0
