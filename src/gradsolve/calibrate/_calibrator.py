@@ -14,8 +14,9 @@ each fit counts its own updates (history, cap, refreshes, minibatches), so a sta
 result does not depend on the slots.
 
 Nothing compiled depends on the number of steps: the step cap is traced, and the
-loss history lives on the host. A refreshed mesh is padded to one of a few widths
-(`Mesh.widened`), so a fit compiles its update once per width it meets.
+loss history lives on the host. A refreshed mesh keeps the compiled width while its
+steps fit, and one that outgrows it gets headroom (`mesh.grown_width`), so a fit
+compiles its update once per width it meets, and meets few.
 """
 
 import copy

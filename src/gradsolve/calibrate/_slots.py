@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ..mesh import padded_width
+from ..mesh import grown_width
 from ._state import FitState
 
 
@@ -76,16 +76,17 @@ def moved(dst, to, src, at, K):
 
 
 def adopt(arrays, fresh, fits, K):
-    """The mesh arrays with fits `fits`' rows taken from the record `fresh`, as wide as
-    those rows need (`padded_width`), at least the current width."""
+    """The mesh arrays with fits `fits`' rows taken from the record `fresh`: the
+    current width while those rows' steps fit in it, else wider (`grown_width`)."""
     rows = np.repeat(fits, K)
     out = dict(arrays)
-    need = padded_width(int(np.asarray(fresh.n_steps)[rows].max()))
+    width = grown_width(int(np.asarray(fresh.n_steps)[rows].max()),
+                        np.shape(arrays["h"])[1])
     for k in ROW_FIELDS:
         old, new = np.asarray(arrays[k]), np.asarray(getattr(fresh, k))
-        if k == "h":  # beyond a row's steps its h is zero: cut to what the rows need
-            new = new[:, :max(need, old.shape[1])]
-            old, new = widths(old, new)
+        if k == "h":  # beyond a row's steps its h is zero: cut or pad to the width
+            old, new = (np.pad(x[:, :width], ((0, 0), (0, max(0, width - x.shape[1]))))
+                        for x in (old, new))
         out[k] = jax.device_put(np.where(rows.reshape((-1,) + (1,) * (old.ndim - 1)),
                                          new, old))
     return out

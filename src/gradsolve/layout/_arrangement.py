@@ -8,7 +8,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import methods
-from ..mesh import padded_width
+from ..mesh import grown_width, padded_width
 from ..status import Status
 from ._devices import size
 from ._memory import held_bytes, replay_bytes, rows_within
@@ -132,8 +132,10 @@ def arrange(n: int, *, dmesh=None, n_steps=None, status=None, columns=None, buck
     `buckets`: None (the default rule: `BUCKETS`, `BUCKET_SLACK`, `MIN_BUCKET_ROWS`),
     or a number (1: no buckets; at most `usable_buckets(n, devices)` are made, the
     rest would hold only filler rows). `rows_cap`: the most rows one chunk may hold
-    (None: no limit). `min_widths`: widths not to shrink below (a Calibrator keeps its
-    compiled update while the step counts wander).
+    (None: no limit). `min_widths`: the widths compiled so far, not to shrink below
+    (a Calibrator keeps its compiled update while the step counts wander); a bucket
+    that outgrows its width is given headroom (`gs.mesh.grown_width`), at most
+    `columns`.
 
     Examples:
         >>> import numpy as np
@@ -160,9 +162,9 @@ def arrange(n: int, *, dmesh=None, n_steps=None, status=None, columns=None, buck
         else:
             choices = (min(check_buckets(buckets), usable_buckets(n, D)),)
     plans = [_layout(steps, D, k, rows_cap, S) for k in choices]
-    if min_widths is not None:
-        plans = [(o, tuple(max(a, b) for a, b in zip(w, min_widths)) if len(w) == len(min_widths)
-                  else w, q) for o, w, q in plans]
+    if min_widths is not None:  # a bucket that outgrew its width grows with headroom
+        plans = [(o, tuple(min(S, grown_width(a, b)) for a, b in zip(w, min_widths))
+                  if len(w) == len(min_widths) else w, q) for o, w, q in plans]
     work = [len(o) // len(w) * sum(w) for o, w, _ in plans]
     best = min(work)
     pick = next(i for i, w in enumerate(work) if w <= BUCKET_SLACK * best)
