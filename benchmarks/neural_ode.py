@@ -67,7 +67,6 @@ def setup(seed=5678):
     truth = gs.EnsembleProblem(true_field, y0=y0, params=jnp.zeros(N_SERIES, dtype),
                                t_span=(0.0, 10.0))
     data = gs.solve(truth, ts=ts, rtol=1e-8, atol=1e-10).raise_for_status().ys
-    t0 = time.perf_counter()
     mlp = eqx.nn.MLP(2, 2, 64, 2, activation=jax.nn.softplus, key=model_key)
     return ts, data, y0, jax.tree.map(lambda x: x.astype(dtype) if eqx.is_array(x) else x, mlp)
 
@@ -224,6 +223,7 @@ def spiral_run(spec):
     truth = gs.EnsembleProblem(lambda t, u, p: (u ** 3) @ SPIRAL_A.astype(u.dtype), y0=u0,
                                params=None, t_span=(0.0, 1.5))
     data = gs.solve(truth, ts=ts, rtol=1e-8, atol=1e-10).raise_for_status().ys
+    t0 = time.perf_counter()
     mlp = eqx.nn.MLP(2, 2, 50, 1, activation=jnp.tanh, key=jax.random.key(0))
     mlp = jax.tree.map(lambda x: x.astype(dtype) if eqx.is_array(x) else x, mlp)
     prob = gs.EnsembleProblem(lambda t, u, p: p["mlp"](u ** 3), y0=u0,

@@ -1,5 +1,7 @@
 """The padded replay: equal to the recorder, padding-invariant, ts outputs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +37,30 @@ def test_zero_padding_changes_nothing_bit_for_bit(lorenz):
     _, g = gs.value_and_grad(prob, loss, mesh=mesh)()
     _, g_wide = gs.value_and_grad(prob, loss, mesh=wide)()
     jax.tree.map(np.testing.assert_array_equal, g, g_wide)
+
+
+
+def test_guarded_padding_is_skipped_and_changes_nothing(lorenz):
+    # A guarded mesh (a Calibrator's of a network's field, padded with headroom) runs
+    # each column behind a branch that skips the ones past every trajectory's steps:
+    # the same outputs and gradients as replaying every zero column, on the replay
+    # itself (`_replay`, not trimmed to the steps by an arrangement). Measured: equal
+    # to 8.1e-15 of each leaf's largest entry (XLA fuses a branch's arithmetic
+    # differently; entrywise a cancelling component differs by 4e-14); bound 8e-14.
+    from gradsolve import methods
+    from gradsolve.replay import _replay
+    prob, mesh, _ = lorenz
+    wide = mesh.padded(2 * mesh.columns + 3)
+    guarded = dataclasses.replace(wide, guarded=True)
+    tsit5, ts = methods.get("tsit5"), jnp.array([0.0, 0.3, 0.77, 1.0])
+    for ts_, interpolate in ((None, False), (ts, False), (ts, True)):
+        def loss(p, m):
+            return jnp.sum(_replay(prob.f_jax, tsit5, m, p, prob.y0, ts_, False,
+                                   interpolate) ** 2)
+        for a, b in zip(jax.value_and_grad(loss)(prob.params, wide),
+                        jax.value_and_grad(loss)(prob.params, guarded)):
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+                assert rel_err(y, x) < 8e-14
 
 
 def test_ts_outputs_match_a_tight_reference(lorenz):

@@ -28,23 +28,25 @@ def padded_width(columns: int) -> int:
 GROWTH = 2.0
 
 
-def grown_width(steps: int, current: int = 0) -> int:
+def grown_width(steps: int, current: int = 0, growth: float = GROWTH) -> int:
     """The width a mesh of `steps` steps is replayed at when the compiled replay has
     `current` columns: `current` while the steps fit, else one of `padded_width`'s
-    widths for `GROWTH` times the steps (`current` 0, nothing compiled yet: for the
-    steps alone).
+    widths for `growth` times the steps (`current` 0, nothing compiled yet: for the
+    steps alone). A Calibrator grows the meshes of a network's field so (and replays
+    them `guarded`: the padding costs few steps); others with `growth` 1.
 
     A mesh that outgrew its width during a fit (a network's field getting stiffer as
     it trains) usually goes on growing, and each new width compiles the update again
-    (~1.3 s on DiffEqFlux's spiral). Zero columns are cheap next to a compile
-    (measured here, gradient with 100 outputs: 256 trajectories of an MLP field, 6
-    steps at widths 6 / 12 / 24: 25.1 / 25.5 / 25.9 ms; Lorenz n = 8192, 51 steps at
-    widths 51 / 102: 109 / 127 ms). The spiral's 500 updates (benchmarks/neural_ode.py)
-    met 6 widths (4, 10, 12, 14, 16, 20) and took 14.0 s padded to their steps; 2
-    widths (4, 20) and 7.7 s with this headroom, the same losses bit for bit."""
+    (~1.3-1.6 s on DiffEqFlux's spiral, benchmarks/neural_ode.py). Zero columns
+    replayed plainly cost what steps cost; guarded (`Mesh.guarded`) much less
+    (measured here, value and gradient with 100 outputs, 256 trajectories of a
+    64-wide MLP field, 6 steps at widths 6 / 12 / 18: 29.9 / 62.0 / 92.1 ms plain,
+    28.5 / 44.4 / 52.1 ms guarded). Hence headroom only for the guarded meshes of a
+    network's field; the spiral's and the training's figures with it are in
+    docs/benchmarks.md."""
     if steps <= current:
         return current
-    return padded_width(int(GROWTH * steps) if current else steps)
+    return padded_width(int(growth * steps) if current else steps)
 
 
 class Mesh(eqx.Module):
@@ -60,6 +62,9 @@ class Mesh(eqx.Module):
         status: `(n,)` `gs.Status` codes of the record.
         t0, t1: the span's ends (scalars).
         method, rtol, atol, recorder: how the mesh was made.
+        guarded: the replay skips the columns past every trajectory's steps,
+            behind a branch per column (a Calibrator's mesh of a network's field,
+            padded with headroom: `grown_width`); False replays every column.
 
     Examples:
         >>> import gradsolve as gs
@@ -79,6 +84,7 @@ class Mesh(eqx.Module):
     rtol: float = eqx.field(static=True)
     atol: float = eqx.field(static=True)
     recorder: str = eqx.field(static=True)
+    guarded: bool = eqx.field(static=True, default=False)
 
     @property
     def n(self) -> int:

@@ -15,8 +15,9 @@ result does not depend on the slots.
 
 Nothing compiled depends on the number of steps: the step cap is traced, and the
 loss history lives on the host. A refreshed mesh keeps the compiled width while its
-steps fit, and one that outgrows it gets headroom (`mesh.grown_width`), so a fit
-compiles its update once per width it meets, and meets few.
+steps fit, and one that outgrows it is widened (a network's field's to twice its
+steps, replayed guarded: `mesh.grown_width`), so a fit compiles its update once per
+width it meets, and meets few.
 """
 
 import copy
@@ -36,7 +37,7 @@ from .. import layout
 from ..config import DEFAULT_MAX_STEPS, NETWORK_SIZE
 from ..record import record_rows
 from ..engines import recorder_of, with_recorder
-from ..mesh import Mesh
+from ..mesh import GROWTH, Mesh
 from ..problem import Shared, _is_shared, as_problem, network_size, trajectory_params
 from ..router import plan
 from ..status import Status
@@ -217,12 +218,13 @@ class Calibrator:
             to_params = _resharing(self.problem.params)
             data = None if data is None else jax.tree.map(
                 lambda x: x[None] if eqx.is_array(x) or isinstance(x, np.ndarray) else x, data)
+        # A network's field (shared: one fit's; or each trajectory's) gets stiffer as
+        # it trains: "auto" refreshes its mesh, and a mesh that outgrew its width is
+        # padded with headroom (`mesh.grown_width`) and replayed guarded.
+        self.grows = self.one_fit or network_size(self.problem.params) >= NETWORK_SIZE
         if isinstance(refresh_every, str) and refresh_every == "auto":
-            # A network refreshes (shared: one fit's; or each trajectory's); other
-            # fields never.
-            network = network_size(self.problem.params) >= NETWORK_SIZE
             refresh_every = (auto_refresh_every(self.problem.n, batch_size)
-                             if self.one_fit or network else None)
+                             if self.grows else None)
         for name, v in (("refresh_every", refresh_every), ("drift_every", drift_every),
                         ("batch_size", batch_size)):
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -285,7 +287,8 @@ class Calibrator:
         if arrays is None:
             return None
         return Mesh(**arrays, method=self.config.method, rtol=self.config.rtol,
-                    atol=self.config.atol, recorder=recorder_of(self._engine))
+                    atol=self.config.atol, recorder=recorder_of(self._engine),
+                    guarded=self.grows)
 
     def _drift(self, mesh, fresh, u, static, K, y0):
         """Per fit, the largest relative change of its replayed outputs from `mesh` to
@@ -628,7 +631,8 @@ class Calibrator:
         same_n = last is not None and last[0][0] == n
         arr = layout.for_replay(mesh, n, self.config, self.problem.d,
                                 self.problem.y0.dtype.itemsize,
-                                min_widths=last[1].widths if same_n else None)
+                                min_widths=last[1].widths if same_n else None,
+                                growth=GROWTH if self.grows else 1.0)
         if cache:
             self._arrangements = (key, arr)
         return arr
@@ -736,7 +740,8 @@ class Calibrator:
             return window
         failed = due & ~ok
         return window._replace(state=ws._replace(
-            mesh=_slots.adopt(ws.mesh, fresh, due, K), refreshes=ws.refreshes + 1,
+            mesh=_slots.adopt(ws.mesh, fresh, due, K, GROWTH if self.grows else 1.0),
+            refreshes=ws.refreshes + 1,
             active=jax.device_put(np.asarray(ws.active) & ~failed),
             status=jax.device_put(np.where(failed, FitStatus.RECORD_FAILED,
                                            np.asarray(ws.status)).astype(np.int32))))

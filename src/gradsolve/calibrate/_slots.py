@@ -75,13 +75,14 @@ def moved(dst, to, src, at, K):
     return dst._replace(mesh=mesh, **fits)
 
 
-def adopt(arrays, fresh, fits, K):
+def adopt(arrays, fresh, fits, K, growth):
     """The mesh arrays with fits `fits`' rows taken from the record `fresh`: the
-    current width while those rows' steps fit in it, else wider (`grown_width`)."""
+    current width while those rows' steps fit in it, else wider (`grown_width` by
+    `growth`)."""
     rows = np.repeat(fits, K)
     out = dict(arrays)
     width = grown_width(int(np.asarray(fresh.n_steps)[rows].max()),
-                        np.shape(arrays["h"])[1])
+                        np.shape(arrays["h"])[1], growth)
     for k in ROW_FIELDS:
         old, new = np.asarray(arrays[k]), np.asarray(getattr(fresh, k))
         if k == "h":  # beyond a row's steps its h is zero: cut or pad to the width

@@ -125,7 +125,7 @@ def _layout(steps, D, k, rows_cap, S):
 
 
 def arrange(n: int, *, dmesh=None, n_steps=None, status=None, columns=None, buckets=None,
-            rows_cap=None, min_widths=None) -> Arrangement:
+            rows_cap=None, min_widths=None, growth=1.0) -> Arrangement:
     """The arrangement of n rows on `dmesh` (host NumPy; `n_steps` and `status` are a
     mesh's, or None when the step counts are not known: one bucket of full width).
 
@@ -134,8 +134,8 @@ def arrange(n: int, *, dmesh=None, n_steps=None, status=None, columns=None, buck
     rest would hold only filler rows). `rows_cap`: the most rows one chunk may hold
     (None: no limit). `min_widths`: the widths compiled so far, not to shrink below
     (a Calibrator keeps its compiled update while the step counts wander); a bucket
-    that outgrows its width is given headroom (`gs.mesh.grown_width`), at most
-    `columns`.
+    that outgrows its width is given `growth` times its steps (`gs.mesh.grown_width`),
+    at most `columns`.
 
     Examples:
         >>> import numpy as np
@@ -163,7 +163,7 @@ def arrange(n: int, *, dmesh=None, n_steps=None, status=None, columns=None, buck
             choices = (min(check_buckets(buckets), usable_buckets(n, D)),)
     plans = [_layout(steps, D, k, rows_cap, S) for k in choices]
     if min_widths is not None:  # a bucket that outgrew its width grows with headroom
-        plans = [(o, tuple(min(S, grown_width(a, b)) for a, b in zip(w, min_widths))
+        plans = [(o, tuple(min(S, grown_width(a, b, growth)) for a, b in zip(w, min_widths))
                   if len(w) == len(min_widths) else w, q) for o, w, q in plans]
     work = [len(o) // len(w) * sum(w) for o, w, _ in plans]
     best = min(work)
@@ -191,7 +191,7 @@ def _replicated(dmesh):
     return lambda x: jax.device_put(x, sharding)
 
 
-def for_mesh(mesh, n, *, dmesh, buckets=None, rows_cap=None, min_widths=None):
+def for_mesh(mesh, n, *, dmesh, buckets=None, rows_cap=None, min_widths=None, growth=1.0):
     """`arrange` from a concrete `gs.Mesh` (or None: no mesh, one bucket; a traced mesh:
     its step counts unknown, one bucket)."""
     if mesh is None or isinstance(mesh.n_steps, jax.core.Tracer):
@@ -199,10 +199,10 @@ def for_mesh(mesh, n, *, dmesh, buckets=None, rows_cap=None, min_widths=None):
                        columns=None if mesh is None else mesh.columns)
     return arrange(n, dmesh=dmesh, n_steps=np.asarray(mesh.n_steps),
                    status=np.asarray(mesh.status), columns=mesh.columns, buckets=buckets,
-                   rows_cap=rows_cap, min_widths=min_widths)
+                   rows_cap=rows_cap, min_widths=min_widths, growth=growth)
 
 
-def for_replay(mesh, n, cfg, d, itemsize, *, gradient=True, min_widths=None):
+def for_replay(mesh, n, cfg, d, itemsize, *, gradient=True, min_widths=None, growth=1.0):
     """The arrangement a replay of `mesh` runs by under `cfg`'s devices, buckets and
     memory budget (chunks only where a device's rows would not fit)."""
     rows_cap = None
@@ -216,7 +216,7 @@ def for_replay(mesh, n, cfg, d, itemsize, *, gradient=True, min_widths=None):
             rows_cap = rows_within(cfg.memory_budget, per_row,
                                    "replay gradient" if gradient else "replay", held=held)
     return for_mesh(mesh, n, dmesh=cfg.devices, buckets=cfg.buckets, rows_cap=rows_cap,
-                    min_widths=min_widths)
+                    min_widths=min_widths, growth=growth)
 
 
 def replicated(tree, arr):

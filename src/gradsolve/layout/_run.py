@@ -15,7 +15,7 @@ def _mesh_axes(mesh):
     """`vmap`-style axes of a `gs.Mesh`: its rows split, its span replicated."""
     return None if mesh is None else Mesh(
         h=0, n_steps=0, n_rejected=0, status=0, t0=None, t1=None, method=mesh.method,
-        rtol=mesh.rtol, atol=mesh.atol, recorder=mesh.recorder)
+        rtol=mesh.rtol, atol=mesh.atol, recorder=mesh.recorder, guarded=mesh.guarded)
 
 
 def _map_rows(f, tree, axes):
