@@ -53,7 +53,7 @@ def test_guarded_padding_is_skipped_and_changes_nothing(lorenz):
     wide = mesh.padded(2 * mesh.columns + 3)
     guarded = dataclasses.replace(wide, guarded=True)
     tsit5, ts = methods.get("tsit5"), jnp.array([0.0, 0.3, 0.77, 1.0])
-    for ts_, interpolate in ((None, False), (ts, False), (ts, True)):
+    for ts_, interpolate in ((None, False), (ts, True)):  # the two scans of the replay
         def loss(p, m):
             return jnp.sum(_replay(prob.f_jax, tsit5, m, p, prob.y0, ts_, False,
                                    interpolate) ** 2)

@@ -44,7 +44,8 @@ def test_several_devices_in_one_process():
     one, 46 s without, on the 2-core machine)."""
     run = subprocess.run(
         [sys.executable, str(HERE / "scale_cases.py")],
-        env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
+        env=_env(XLA_FLAGS=" ".join(filter(None, (
+            os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=4")))),
         capture_output=True, text=True, timeout=900, cwd=HERE.parent)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert run.stdout.splitlines()[-1] == "12 scale cases passed", run.stdout
