@@ -109,10 +109,11 @@ def test_replay_split_and_bucketed(lorenz):
     end = gs.replay(lorenz, mesh, buckets=1)
     for interpolate in (False, True):
         one = gs.replay(lorenz, mesh, ts=ts, buckets=1, interpolate=interpolate)
-        for kw in (dict(devices=4, buckets=3), dict(buckets=5)):
-            np.testing.assert_array_equal(gs.replay(lorenz, mesh, **kw), end)
-            np.testing.assert_allclose(gs.replay(lorenz, mesh, ts=ts, interpolate=interpolate,
-                                                 **kw), one, rtol=1e-15, atol=0)
+        # (Buckets on one device: test_scale.py's test_buckets_change_no_result.)
+        kw = dict(devices=4, buckets=3)
+        np.testing.assert_array_equal(gs.replay(lorenz, mesh, **kw), end)
+        np.testing.assert_allclose(gs.replay(lorenz, mesh, ts=ts, interpolate=interpolate,
+                                             **kw), one, rtol=1e-15, atol=0)
 
 
 def test_calibrator_fit_split_equals_one_device():

@@ -223,12 +223,14 @@ def test_a_changed_setup_is_refused_naming_it(six_steps, tmp_path, change, named
     with pytest.raises(gs.calibrate.CheckpointMismatch, match=named):
         calibrator(ckpt, checkpoint_every=3, **change).fit(THETA0, steps=9, progress=False)
     assert steps_in(ckpt) == [3, 6] and set_aside(ckpt) == []
-    # Starting over is explicit: the old steps go, the new fit saves its own.
+    if named != "the data":  # one case shows starting over (each compiles a new fit)
+        return
+    # Starting over is explicit: the old steps go, the new fit saves its own, a fresh
+    # fit bit for bit.
     over = calibrator(ckpt, checkpoint_every=3, **change).fit(THETA0, steps=9,
                                                               progress=False, resume=False)
     assert over.resumed_from is None and over.updates == 9 and steps_in(ckpt) == [3, 6, 9]
-    if named == "the data":  # one case suffices to show it is a fresh fit, bit for bit
-        assert_same_state(over, calibrator(**change).fit(THETA0, steps=9, progress=False))
+    assert_same_state(over, calibrator(**change).fit(THETA0, steps=9, progress=False))
 
 
 def test_another_theta0_is_refused(six_steps, tmp_path):

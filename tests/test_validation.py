@@ -236,3 +236,15 @@ def test_resume_message_says_which_count_is_per_fit(tmp_path, capsys):
     assert fit(4).steps.tolist() == [4, 4]
     assert "(6 updates run in all; the fits have done 3..3 updates each, capped at " \
            "steps=4 per fit)" in capsys.readouterr().err
+
+
+def test_warp_optimization_level_is_checked(monkeypatch):
+    # The suite compiles Warp at 0 (conftest); users get -O3 unless they ask.
+    from gradsolve.warp import _kernels
+    monkeypatch.delenv("GRADSOLVE_WARP_OPT_LEVEL", raising=False)
+    assert _kernels.optimization_level() == 3
+    assert '"optimization_level": 3}' in _kernels.header(3, 64)
+    monkeypatch.setenv("GRADSOLVE_WARP_OPT_LEVEL", "O2")
+    with pytest.raises(ValueError, match="GRADSOLVE_WARP_OPT_LEVEL must be 0, 1, 2 or 3, "
+                                         "got 'O2'"):
+        _kernels.header(3, 64)
