@@ -57,15 +57,15 @@ def pytest_terminal_summary(terminalreporter):
 
 # The heaviest test files first: with one file per pytest-xdist worker (`make test`),
 # starting the long ones first keeps one worker from running a long file alone at the
-# end. Order by the seconds each took from a cold cache on the 2-core machine
-# (pytest --durations=0, summed per file): fused 114, checkpoints 96, calibrator 92,
-# translate 80, petab 100 (18 suite cases; 130 with cold compiles), scale 60 (two
-# subprocess jobs), grad 67, recipes 65, stiff 65; every other file < 25 but the
-# in-kernel adjoint's (111 s alone from a cold cache), which measured faster left in
-# collection order (fresh clone: 5 min 44 s) than started second (7 min 12 s).
-_HEAVIEST_FIRST = ("test_fused.py", "test_petab.py", "test_checkpoints.py",
-                   "test_calibrator.py", "test_translate.py", "test_scale.py", "test_grad.py",
-                   "test_recipes.py", "test_stiff.py")
+# end. Ordered by the seconds each took in a fresh clone's suite on the 2-core machine
+# (pytest --durations=0, summed per file, at 2610153): petab 88, recipes 75,
+# scale 71, calibrator 65, petab_collection 59, checkpoints 55, stiff 51, fused 45,
+# grad 39, translate 37; every other file < 31 but the in-kernel adjoint's (62), which
+# measured faster left in collection order (fresh clone: 5 min 44 s) than started
+# second (7 min 12 s), earlier.
+_HEAVIEST_FIRST = ("test_petab.py", "test_recipes.py", "test_scale.py", "test_calibrator.py",
+                   "test_petab_collection.py", "test_checkpoints.py", "test_stiff.py",
+                   "test_fused.py", "test_grad.py", "test_translate.py")
 
 
 def pytest_collection_modifyitems(items):
