@@ -29,14 +29,13 @@ demo: $(STAMP)
 
 # One pytest worker per core, a test file per worker, the heaviest files first (the
 # order tests/conftest.py gives): the suite is bound by XLA and Warp compiles, which
-# are single-threaded (a fresh clone on 2 cores: 589 s serial, 396-474 s with two
-# workers in xdist's own order, earlier; 706 s for 397 tests and 800 s for 398 on
-# 2026-12-03, days on which the same Diffrax gradient ran 1.5-3.8x slower than on
-# 12-01: Lorenz n = 1024, 44-109 ms against 28.8 ms; 746 s and 839 s for 424 tests at
-# 7f6af54 and c5ce0a2 the same day: the 8-minute budget is missed). The suite is
-# compile-bound: measured per test at 5274247, 1078 of 1365 worker-seconds were
+# are single-threaded (measured per test at 5274247, 1078 of 1365 worker-seconds were
 # XLA/Warp compiles, tracing and lowering, and ~213 the subprocess tests' imports and
-# compiles.
+# compiles), so it compiles at optimization level 0 (tests/conftest.py). A fresh clone
+# on 2 cores, setup and .ci/run: 549 s at 38651f3 (1023 worker-seconds, 2026-12-04),
+# 509 s with XLA at level 0, 490 s with Warp at 0 and three tests trimmed, 471 s at
+# b379565 (setup 35 s, .ci/run 436 s: 432 passed in 398 s, float32 16 in 20 s; 753
+# worker-seconds). Earlier: 706-839 s on 2026-12-03.
 # Then tests/float32 in a pytest of its own with jax_enable_x64 off (one switch per
 # process): float32 is how most JAX users run. Then, where nvidia-smi finds a GPU,
 # tests/gpu with Warp on CUDA (the runs before pin JAX and Warp to the CPU).
