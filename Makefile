@@ -38,12 +38,18 @@ demo: $(STAMP)
 # 398 s, float32 16 in 20 s; 753 worker-seconds) and 512 s for the same code at 3168f39
 # (.ci/run 477 s): at the 8-minute budget, within the noise. Earlier: 706-839 s on
 # 2026-12-03.
-# Then tests/float32 in a pytest of its own with jax_enable_x64 off (one switch per
-# process): float32 is how most JAX users run. Then, where nvidia-smi finds a GPU,
+# Beside it, tests/float32 in a pytest of its own with jax_enable_x64 off (one switch
+# per process; float32 is how most JAX users run), started first in the background so
+# that it fills the core the main run leaves idle at its end; its output follows the
+# main run's, and either failing fails the target. Then, where nvidia-smi finds a GPU,
 # tests/gpu with Warp on CUDA (the runs before pin JAX and Warp to the CPU).
+F32 := GRADSOLVE_TEST_X64=0 $(PY) -m pytest -q -p no:cacheprovider tests/float32
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
-	GRADSOLVE_TEST_X64=0 $(PY) -m pytest -q tests/float32
+	@echo "$(F32)   (in the background)"
+	@log=$$(mktemp); ($(F32) > $$log 2>&1; echo $$? > $$log.rc) & \
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests; main=$$?; \
+	wait; echo "-- tests/float32, jax_enable_x64 off:"; cat $$log; f32=$$(cat $$log.rc); \
+	rm -f $$log $$log.rc; test $$main -eq 0 && test $$f32 -eq 0
 	if nvidia-smi > /dev/null 2>&1; then GRADSOLVE_TEST_GPU=1 $(PY) -m pytest -q tests/gpu; \
 	else echo "tests/gpu not run: nvidia-smi finds no GPU"; fi
 
