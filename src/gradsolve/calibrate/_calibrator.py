@@ -222,6 +222,7 @@ class Calibrator:
         # it trains: "auto" refreshes its mesh, and a mesh that outgrew its width is
         # padded with headroom (`mesh.grown_width`) and replayed guarded.
         self.grows = self.one_fit or network_size(self.problem.params) >= NETWORK_SIZE
+        self._growth = GROWTH if self.grows else 1.0
         if isinstance(refresh_every, str) and refresh_every == "auto":
             refresh_every = (auto_refresh_every(self.problem.n, batch_size)
                              if self.grows else None)
@@ -632,7 +633,7 @@ class Calibrator:
         arr = layout.for_replay(mesh, n, self.config, self.problem.d,
                                 self.problem.y0.dtype.itemsize,
                                 min_widths=last[1].widths if same_n else None,
-                                growth=GROWTH if self.grows else 1.0)
+                                growth=self._growth)
         if cache:
             self._arrangements = (key, arr)
         return arr
@@ -740,7 +741,7 @@ class Calibrator:
             return window
         failed = due & ~ok
         return window._replace(state=ws._replace(
-            mesh=_slots.adopt(ws.mesh, fresh, due, K, GROWTH if self.grows else 1.0),
+            mesh=_slots.adopt(ws.mesh, fresh, due, K, self._growth),
             refreshes=ws.refreshes + 1,
             active=jax.device_put(np.asarray(ws.active) & ~failed),
             status=jax.device_put(np.where(failed, FitStatus.RECORD_FAILED,
