@@ -252,6 +252,34 @@ def test_a_step_damaged_twice_does_not_block_resuming(six_steps, tmp_path):
     assert set_aside(ckpt) == ["6.damaged", "6.damaged.1"]
 
 
+def test_steps_are_packed_and_a_step_of_one_array_per_leaf_still_resumes(six_steps,
+                                                                         tmp_path):
+    # A step holds one array per dtype (`pack`); steps written one array per leaf, as
+    # before that layout, restore too. The per-leaf step is rewritten here from the
+    # packed one with Orbax directly, as the earlier writer saved it.
+    import orbax.checkpoint as ocp
+    from gradsolve.calibrate._checkpoint import Checkpoints, unpack
+    ckpt = _copy(six_steps, tmp_path)
+    args = ocp.args
+    with ocp.CheckpointManager(ckpt) as manager:
+        meta = manager.restore(6, args=args.Composite(meta=args.JsonRestore()))["meta"]
+        packed = manager.restore(6, args=args.Composite(state=args.StandardRestore()))["state"]
+    assert meta["layout"] == "packed"
+    assert sorted(packed) == sorted({d for _, d in meta["shapes"].values()})
+    straight = calibrator().fit(THETA0, steps=6, progress=False)
+    state = unpack(packed, straight.state._asdict(), meta["shapes"])
+    shutil.rmtree(ckpt)
+    store = Checkpoints(ckpt, asynchronous=False)
+    old = {k: v for k, v in meta.items() if k not in ("layout", "checksum", "shapes")}
+    store.manager.save(6, args=args.Composite(
+        state=args.StandardSave(state), meta=args.JsonSave(dict(
+            old, checksum=meta["checksum"], shapes=meta["shapes"]))), force=True)
+    store.close()
+    res = calibrator(ckpt, checkpoint_every=3).fit(THETA0, steps=9, progress=False)
+    assert res.resumed_from == 6
+    assert_same_state(res, calibrator().fit(THETA0, steps=9, progress=False))
+
+
 def test_a_live_writer_is_refused_and_a_dead_ones_lock_taken_over(six_steps, tmp_path):
     from gradsolve.calibrate._checkpoint import Checkpoints
     ckpt = _copy(six_steps, tmp_path)

@@ -146,7 +146,7 @@ class Calibrator:
             `checkpoint_dir`, at the end of a fit, when it is interrupted (Ctrl-C) and
             every `checkpoint_every` updates (an int) or once that much wall time has
             passed since the last save (a `datetime.timedelta`; the default, None, is
-            one minute). Each save costs ~45-60 ms of CPU in background threads, so on
+            one minute). Each save costs ~25 ms of CPU in background threads, so on
             fits of a few ms per update a time interval costs least. `fit()` on a
             directory with a checkpoint of the same setup resumes from it (see `fit`).
             A relative path is taken from the current directory; the directory is
