@@ -40,7 +40,7 @@ demo: $(STAMP)
 # the 8-minute budget, within the noise. Earlier: 706-839 s on 2026-12-03. Later on
 # 2026-12-04, no test changed: 729 s at 4a2dfa8 and 701 s at bfb1d37 (setup 45-50 s;
 # every slow test 1.2-2x its time of the runs above, neural_robertson 42-47 s against
-# 22 s): the budget holds only on the machine's faster hours.
+# 22 s): the 8-minute budget was missed both times.
 # Beside it, tests/float32 in a pytest of its own with jax_enable_x64 off (one switch
 # per process; float32 is how most JAX users run), started first in the background so
 # that it fills the core the main run leaves idle at its end; its output follows the
