@@ -38,9 +38,9 @@ demo: $(STAMP)
 # 398 s, float32 16 in 20 s; 753 worker-seconds) and 512 s for the same code at 3168f39
 # (.ci/run 477 s); 499 s with the float32 run beside the main one (.ci/run 464 s): at
 # the 8-minute budget, within the noise. Earlier: 706-839 s on 2026-12-03. Later on
-# 2026-12-04, no test changed: 729 s at 4a2dfa8, 701 s at bfb1d37, 613 s at 24a78a6 (setup 45-50 s;
-# every slow test 1.2-2x its time of the runs above, neural_robertson 42-47 s against
-# 22 s): the 8-minute budget was missed each time.
+# 2026-12-04, no test changed: 729 s at 4a2dfa8, 701 s at bfb1d37, 613 s at 24a78a6
+# (setup 45-50 s; every slow test 1.2-2x its time of the runs above, neural_robertson
+# 41-47 s against 22 s): the 8-minute budget was missed each time.
 # Beside it, tests/float32 in a pytest of its own with jax_enable_x64 off (one switch
 # per process; float32 is how most JAX users run), started first in the background so
 # that it fills the core the main run leaves idle at its end; its output follows the
