@@ -69,15 +69,16 @@ def moved(dst, to, src, at, K):
     """The FitState `dst` with its fits `to` (and their mesh rows) replaced by `src`'s
     fits `at`: a window's fits into the state, or the state's starts into a window."""
     fits = {f: put(getattr(dst, f), to, getattr(src, f), at) for f in FIT_FIELDS}
-    rows = {}
+    mesh_rows = {}
     if dst.mesh is not None:
         to_rows, at_rows = trajectories(to, K), trajectories(at, K)
-        rows = {k: put(dst.mesh[k], to_rows, src.mesh[k], at_rows) for k in ROW_FIELDS}
+        mesh_rows = {k: put(dst.mesh[k], to_rows, src.mesh[k], at_rows) for k in ROW_FIELDS}
     # One device_put for everything moved: one per leaf took 45 us a leaf here, one
     # for all 21 us (a fit state has dozens of leaves, moved at every slot refill and
     # before every checkpoint).
-    fits, rows = jax.device_put((fits, rows))
-    return dst._replace(mesh=None if dst.mesh is None else dict(dst.mesh, **rows), **fits)
+    fits, mesh_rows = jax.device_put((fits, mesh_rows))
+    mesh = None if dst.mesh is None else dict(dst.mesh, **mesh_rows)
+    return dst._replace(mesh=mesh, **fits)
 
 
 def adopt(arrays, fresh, fits, K, growth):
