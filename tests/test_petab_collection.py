@@ -3,7 +3,7 @@
 with AMICI's reference log-likelihoods at the nominal parameters in its REFERENCES.md.
 
 Every model is loaded or refused naming what is not supported (loading is SBML ->
-SymPy -> JAX source: 0.4-3.4 s a model here, Chen_MSB2009's 500 states 14.8 s; no
+SymPy -> JAX source: 0.4-3.4 s a model here, Chen_MSB2009's 500 states 8.6 s; no
 compile). The likelihood compiles 10-19 s a model on the 2-core machine, so one model
 is simulated here against its reference, with its gradient: Bruno_JExpBot2016 (six
 conditions; 10.5 s for the llh, 5 s more for the gradient).
