@@ -126,10 +126,11 @@ def test_calibrator_fit_split_equals_one_device():
     def fit(**kw):
         cal = gs.Calibrator(prob, lambda ys, k, d: jnp.sum((ys - d) ** 2), data=data,
                             to_params=lambda k: k * rates, optimizer=optax.adam(0.2),
-                            transform=gs.transforms.Positive(), refresh_every=4, **kw)
-        return cal.fit(jnp.ones(B), steps=15, progress=False)
+                            transform=gs.transforms.Positive(), refresh_every=3, **kw)
+        return cal.fit(jnp.ones(B), steps=6, progress=False)  # a refresh at 3
 
     one, split = fit(), fit(devices=2)
+    assert one.refreshes == split.refreshes == 1
     np.testing.assert_array_equal(split.theta, one.theta)
     # A fit's loss sums its K trajectories, which may lie on two devices.
     np.testing.assert_allclose(split.history, one.history, rtol=SHARED_RTOL, atol=0)
