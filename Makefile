@@ -41,7 +41,9 @@ demo: $(STAMP)
 # 2026-12-04, no test changed: 729 s at 4a2dfa8, 701 s at bfb1d37, 613 s at 24a78a6
 # (setup 45-50 s; every slow test 1.2-2x its time of the runs above, neural_robertson
 # 41-47 s against 22 s): the 8-minute budget was missed each time. At d7b9e9b, a new
-# session, no test changed: 609 s and 694 s (1192 worker-seconds against 753).
+# session, no test changed: 609 s and 694 s (1192 worker-seconds against 753). On
+# 2026-12-05: 469 s at 53d5bee (800 worker-seconds), 496 s at 3182737 an hour later
+# (851: a faster PEtab load and two trimmed tests, on a slower machine).
 # Beside it, tests/float32 in a pytest of its own with jax_enable_x64 off (one switch
 # per process; float32 is how most JAX users run), started first in the background so
 # that it fills the core the main run leaves idle at its end; its output follows the
