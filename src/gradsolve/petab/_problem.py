@@ -72,20 +72,15 @@ def _lambdify(args, exprs):
     # dummify=True substitutes each argument into every common subexpression
     # (Chen_MSB2009, 500 states: 27 of its load's 40 s under cProfile; the load takes
     # 8.6 s this way, 14.8 s that way).
-    names, flat = {}, []
-    for a in args:
-        group = [a] if isinstance(a, sp.Symbol) else list(a)
-        renamed = []
-        for s in group:
-            names.setdefault(s, sp.Symbol(f"_gs_arg{len(names)}"))
-            renamed.append(names[s])
-        flat.append(renamed[0] if isinstance(a, sp.Symbol) else renamed)
-    if len(names) == sum(1 if isinstance(a, sp.Symbol) else len(a) for a in args):
-        exprs = [sp.sympify(e).xreplace(names) for e in exprs]
-        g = sp.lambdify(flat, exprs, modules="jax", cse=True, dummify=False)
-    else:  # a symbol in two arguments: lambdify's own renaming (the last one wins)
+    symbols = [s for a in args for s in ([a] if isinstance(a, sp.Symbol) else a)]
+    if len(set(symbols)) < len(symbols):  # a symbol in two arguments: lambdify's renaming
         flat = [a if isinstance(a, sp.Symbol) else list(a) for a in args]
         g = sp.lambdify(flat, list(exprs), modules="jax", cse=True, dummify=True)
+    else:
+        names = {s: sp.Symbol(f"_gs_arg{i}") for i, s in enumerate(symbols)}
+        flat = [names[a] if isinstance(a, sp.Symbol) else [names[s] for s in a] for a in args]
+        g = sp.lambdify(flat, [sp.sympify(e).xreplace(names) for e in exprs], modules="jax",
+                        cse=True, dummify=False)
 
     def fn(*values):
         unpacked = [v if isinstance(a, sp.Symbol) else [v[i] for i in range(len(a))]
