@@ -313,8 +313,8 @@ def test_two_processes_on_one_directory(tmp_path):
 # Where each run of the kill -9 test kills itself (fit_worker's FIT_WORKER_KILL), and
 # the newest step then on disk: between updates, inside a save's write (in Orbax's
 # background thread, the fit going on) and with a step written but not yet renamed.
-# Four kills and a last run: five processes, as cheap as the six random kills were
-# (measured 26 s and 37 s against 46 s and 47 s, the loaded 2-core machine).
+# Three kills and a last run: four processes (five, with a second write, measured 26 s
+# and 37 s against the six random kills' 46 s and 47 s on the loaded 2-core machine).
 KILLS = [("update", 7, 6), ("write", 14, 13), ("commit", 22, 21)]
 
 
