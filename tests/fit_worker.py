@@ -14,15 +14,18 @@ With FIT_WORKER_KILL=WHERE:N in the environment the process kills itself (SIGKIL
 at a chosen point of the save of step N, so that the kill -9 test lands where it
 means to, whatever the machine's speed:
 - `update:N`: after update N, with step N-1 written and no save under way;
-- `write:N`: inside Orbax's write of step N (in its background thread, while the fit
-  goes on): the step's temporary directory exists, being written;
+- `write:N`: inside Orbax's write of step N (in the checkpoint writer process, while
+  the fit goes on): the step's temporary directory exists, being written;
 - `commit:N`: every file of step N written, just before Orbax renames its temporary
   directory to `N`.
+The last two kill the fit's process from the writer process (`writer_hooks`), which
+the kernel then ends with it. `sigint:N` is a Ctrl-C at a terminal after update N
+(SIGINT to the worker's process group, which must be its own): the fit saves step N
+and exits with KeyboardInterrupt.
 """
 
 import argparse
 import contextlib
-import errno
 import os
 import pathlib
 import sys
@@ -96,84 +99,56 @@ def flip_a_byte(step_dir):
     target.write_bytes(bytes(raw))
 
 
-def step_of(path):
-    """The step a path inside a checkpoint directory belongs to (`<step>` or Orbax's
-    temporary `<step>.orbax-checkpoint-tmp...`; the innermost such part), or None."""
-    for part in reversed(pathlib.Path(path).parts):
-        head = part.split(".orbax-checkpoint-tmp")[0]
-        if head.isdigit():
-            return int(head)
-    return None
+def in_writer(name, *args):
+    """Call `writer_hooks.name(*args)` in this process's checkpoint writer process."""
+    from gradsolve.calibrate import _writer
+
+    here = str(pathlib.Path(__file__).parent)
+    _writer.shared().request("call", here, "writer_hooks", name, args).result()
 
 
 @contextlib.contextmanager
-def hooked_writes(steps, hook):
-    """Orbax's writer of a step's JSON metadata calling `hook()` first for `steps`: a
-    hook that raises `OSError(ENOSPC)` is a save failing as on a full disk. The writer
-    runs where Orbax writes the step's data: in its background thread when saves are
-    asynchronous, so an error surfaces only when the save is waited for, as a real
-    one does."""
-    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
-    write = jh.JsonCheckpointHandler._save_fn
-
-    async def hooked(self, x, directory):
-        if step_of(directory) in steps:
-            hook()
-        return await write(self, x, directory)
-    jh.JsonCheckpointHandler._save_fn = hooked
+def hooked_writes(steps, hook, *args):
+    """The checkpoint writer process running `writer_hooks.<hook>(*args)` before it
+    writes the JSON metadata of each step in `steps` (see `writer_hooks.install`):
+    `"no_space"` is a save failing as on a full disk. It runs where Orbax writes the
+    step, in the writer process while the fit goes on, so an error surfaces only when
+    the save is waited for, as a real one does."""
+    in_writer("install", sorted(steps), "write", hook, args)
     try:
         yield
     finally:
-        jh.JsonCheckpointHandler._save_fn = write
-
-
-def no_space():
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        in_writer("uninstall")
 
 
 def kill_at(where, step):
     """Make this process SIGKILL itself at `where` of step `step`'s save (see the
     module docstring)."""
-    import asyncio
-    import os
     import signal
-
-    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
-    from orbax.checkpoint._src.path import atomicity
 
     from gradsolve.calibrate._checkpoint import Checkpoints
 
-    def die():
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    if where == "update":
-        save = Checkpoints.save
+    if where in ("update", "sigint"):
+        if where == "sigint" and os.getpgrp() != os.getpid():
+            raise RuntimeError("FIT_WORKER_KILL=sigint:N signals its whole process group: "
+                               "start the worker in a session of its own")
+        save, fired = Checkpoints.save, []
 
         def killing(self, n, *args, **kwargs):
-            if n == step:
+            if n == step and not fired:  # once: the interrupted fit saves step N again
+                fired.append(n)
                 self.wait()
-                die()
+                if where == "update":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                # Ctrl-C at a terminal: SIGINT to every process of the foreground
+                # group, the checkpoint writer process included.
+                os.killpg(os.getpgrp(), signal.SIGINT)
             return save(self, n, *args, **kwargs)
         Checkpoints.save = killing
-    elif where == "write":
-        write = jh.JsonCheckpointHandler._save_fn
-
-        async def killing(self, x, directory):
-            if step_of(directory) == step:
-                await asyncio.sleep(0.05)  # the step's other writes under way too
-                die()
-            return await write(self, x, directory)
-        jh.JsonCheckpointHandler._save_fn = killing
-    elif where == "commit":
-        finalize = atomicity.AtomicRenameTemporaryPath.finalize
-
-        async def killing(self, *args, **kwargs):
-            if self.get_final().name == str(step):
-                die()
-            return await finalize(self, *args, **kwargs)
-        atomicity.AtomicRenameTemporaryPath.finalize = killing
+    elif where in ("write", "commit"):
+        in_writer("install", [step], where, "kill_the_fit", (0.05 if where == "write" else 0,))
     else:
-        raise ValueError(f"FIT_WORKER_KILL: where must be update, write or commit, "
+        raise ValueError(f"FIT_WORKER_KILL: where must be update, sigint, write or commit, "
                          f"got {where!r}")
 
 

@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import warnings
 
 import jax
@@ -119,7 +118,7 @@ def test_a_full_disk_at_a_save_keeps_the_fit_and_names_the_last_step(tmp_path, r
     # saved, the fit goes on (the next save writes again), and the result holds every
     # update. The disk is "full" for the saves of steps 10, 15 and 40 (the fit's end).
     ckpt = tmp_path / "fit"
-    with fit_worker.hooked_writes({10, 15, 40}, fit_worker.no_space), \
+    with fit_worker.hooked_writes({10, 15, 40}, "no_space"), \
             pytest.warns(UserWarning) as caught:
         res = calibrator(ckpt, checkpoint_every=5).fit(THETA0, steps=STEPS, progress=False)
     failed = [str(w.message) for w in caught if "could not be saved" in str(w.message)]
@@ -140,9 +139,49 @@ def test_a_full_disk_at_a_save_keeps_the_fit_and_names_the_last_step(tmp_path, r
     assert_same_state(again, reference[0])
 
 
+def test_a_writer_process_that_dies_is_reported_and_replaced(tmp_path, reference):
+    # The steps are written by a child process (`_writer`); one that dies mid-write
+    # (here it exits inside step 10's write, as the OOM killer would end it) fails that
+    # save with a warning naming it, and the next save starts another writer: no update
+    # is lost and the steps after it are written.
+    ckpt = tmp_path / "fit"
+    with fit_worker.hooked_writes({10}, "exit_writer"), pytest.warns(UserWarning) as caught:
+        res = calibrator(ckpt, checkpoint_every=5).fit(THETA0, steps=STEPS, progress=False)
+    failed = [str(w.message) for w in caught if "could not be saved" in str(w.message)]
+    assert len(failed) == 1 and failed[0].startswith("checkpoint step 10 could not be "
+                                                     "saved") \
+        and "the checkpoint writer process" in failed[0] and "ended" in failed[0] \
+        and "the last step saved is 5" in failed[0], failed
+    assert_same_state(res, reference[0])
+    assert steps_in(ckpt) == [30, 35, 40]
+
+
+def test_a_writer_process_that_cannot_start_falls_back_to_the_fits_own(tmp_path,
+                                                                     reference, monkeypatch):
+    # A writer process that ends at once (here its interpreter is /bin/false; a broken
+    # environment would do the same) fails the first save, and so does the one started
+    # in its place: from the second save on, the fit writes its steps itself, saying so.
+    from gradsolve.calibrate import _writer
+    monkeypatch.setattr(_writer, "_shared", None)
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    ckpt = tmp_path / "fit"
+    with pytest.warns(UserWarning) as caught:
+        res = calibrator(ckpt, checkpoint_every=5).fit(THETA0, steps=STEPS, progress=False)
+    said = [str(w.message) for w in caught]
+    failed = [m for m in said if "could not be saved" in m]
+    assert len(failed) == 1 and failed[0].startswith("checkpoint step 5 could not be saved")
+    assert len([m for m in said if "ended twice" in m and "written by the fit's own "
+                "process from now on" in m]) == 1, said
+    assert_same_state(res, reference[0])
+    assert steps_in(ckpt) == [30, 35, 40]
+    monkeypatch.undo()
+    again = calibrator(ckpt, checkpoint_every=5).fit(THETA0, steps=STEPS, progress=False)
+    assert again.resumed_from == STEPS
+
+
 def test_ctrl_c_when_its_save_fails_names_the_last_step_saved(tmp_path, capsys):
     cal = interrupting(calibrator(tmp_path / "fit", checkpoint_every=5), 13)
-    with fit_worker.hooked_writes({13}, fit_worker.no_space), pytest.raises(KeyboardInterrupt), \
+    with fit_worker.hooked_writes({13}, "no_space"), pytest.raises(KeyboardInterrupt), \
             pytest.warns(UserWarning, match="checkpoint step 13 could not be saved"):
         cal.fit(THETA0, steps=STEPS, progress=False)
     assert "fit interrupted after 13 updates; saving it failed (see the warning above); " \
@@ -152,24 +191,21 @@ def test_ctrl_c_when_its_save_fails_names_the_last_step_saved(tmp_path, capsys):
 
 def test_the_fit_goes_on_while_a_step_is_written(tmp_path):
     # A save used to hold the fit until it was written (a 1000-update SEIR fit took
-    # 47.9 s with a save every 25 updates, 22.6 s without). Now Orbax writes in the
-    # background: step 5's writer here waits until update 7 has run, which only an
-    # asynchronous save allows (a synchronous one times out and fails the save).
-    cal, ran = calibrator(tmp_path / "fit", checkpoint_every=5), threading.Event()
+    # 47.9 s with a save every 25 updates, 22.6 s without). Now a writer process
+    # writes it: step 5's write here waits until update 7 has run (the fit's process
+    # makes a file then), which only an asynchronous save allows (a synchronous one
+    # times out and fails the save).
+    cal = calibrator(tmp_path / "fit", checkpoint_every=5)
     cal._max_updates = 1  # one update per call of the compiled loop: calls count updates
-    update, calls = cal._update, []
+    update, calls, ran = cal._update, [], tmp_path / "update-7-ran"
 
     def counting(*args, **kwargs):
         calls.append(1)
         if len(calls) == 7:
-            ran.set()
+            ran.touch()
         return update(*args, **kwargs)
     cal._update = counting
-
-    def after_update_7():
-        if not ran.wait(timeout=60):
-            raise TimeoutError("update 7 did not run while step 5 was written")
-    with fit_worker.hooked_writes({5}, after_update_7), warnings.catch_warnings():
+    with fit_worker.hooked_writes({5}, "wait_for", str(ran)), warnings.catch_warnings():
         warnings.filterwarnings("error", message="checkpoint step")  # a failed save warns
         cal.fit(THETA0, steps=10, progress=False)
     assert steps_in(tmp_path / "fit") == [5, 10]
@@ -310,34 +346,45 @@ def test_two_processes_on_one_directory(tmp_path):
     assert "LOCKED: checkpoint_dir" in locked and "is in use by another fit (pid" in locked
 
 
-# Where each run of the kill -9 test kills itself (fit_worker's FIT_WORKER_KILL), and
-# the newest step then on disk: between updates, inside a save's write (in Orbax's
-# background thread, the fit going on) and with a step written but not yet renamed.
-# Three kills and a last run: four processes (five, with a second write, measured 26 s
-# and 37 s against the six random kills' 46 s and 47 s on the loaded 2-core machine).
-KILLS = [("update", 7, 6), ("write", 14, 13), ("commit", 22, 21)]
+# Where each run of the kill -9 test stops, and the newest step then on disk: killed
+# between updates, inside a save's write (in the writer process, the fit going on) and
+# with a step written but not yet renamed; and a Ctrl-C at a terminal (SIGINT to the
+# fit's process group, its checkpoint writer process too), which saves the step it
+# stopped at. Four runs and a last one: five processes (a second write, one more,
+# measured 26 s and 37 s against the six random kills' 46 s and 47 s on the loaded
+# 2-core machine, and checked nothing new).
+KILLS = [("update", 7, 6), ("write", 14, 13), ("commit", 22, 21), ("sigint", 27, 27)]
 
 
 def test_kill_9_inside_and_between_saves_resumes_bit_identically(tmp_path, reference):
     # kill -9 three times, once at each point the worker offers: between saves, inside
     # a step's write, inside its commit (it used to sleep for a random time or poll
     # for Orbax's temporary directory, so where the kills landed, and whether any
-    # landed inside a save, depended on the machine's load; a fourth kill, a second
-    # write, cost a process start, ~4 s, and checked nothing new). Each run
+    # landed inside a save, depended on the machine's load), then a Ctrl-C. Each run
     # resumes from the previous one's checkpoints (a save every update, a refresh
-    # every 3), losing only the step being saved; the last run finishes, and its state
-    # equals the uninterrupted fit's bit for bit, with no good step set aside.
+    # every 3), losing only the step being saved (a kill) or nothing (Ctrl-C: the
+    # writer process, which the terminal's SIGINT reaches too, writes the step); the
+    # last run finishes, and its state equals the uninterrupted fit's bit for bit,
+    # with no good step set aside.
     ckpt, out = tmp_path / "fit", tmp_path / "out.npz"
     worker = [sys.executable, str(WORKER), str(ckpt), str(out), "--steps", str(STEPS)]
     resumed = None
     for where, step, last in KILLS:
         run = subprocess.run(worker, env={**os.environ, "FIT_WORKER_KILL": f"{where}:{step}"},
-                             capture_output=True, text=True, timeout=300)
-        assert run.returncode == -signal.SIGKILL, (where, step, run.stderr[-2000:])
+                             capture_output=True, text=True, timeout=300,
+                             start_new_session=where == "sigint")
+        if where == "sigint":
+            # Python ends on an uncaught KeyboardInterrupt by SIGINT.
+            assert run.returncode == -signal.SIGINT and "KeyboardInterrupt" in run.stderr \
+                and f"fit interrupted after {step} updates; saved as step {step}" \
+                in run.stderr, run.stderr[-2000:]
+        else:
+            assert run.returncode == -signal.SIGKILL, (where, step, run.stderr[-2000:])
         assert resumed is None or f"resumed from checkpoint step {resumed} " in run.stderr
         assert steps_in(ckpt)[-1] == last
         # Inside a save: the step's temporary directory is there, and not listed.
-        assert (ckpt / f"{step}.orbax-checkpoint-tmp").exists() == (where != "update")
+        assert (ckpt / f"{step}.orbax-checkpoint-tmp").exists() == (where in ("write",
+                                                                               "commit"))
         resumed = last
     final = subprocess.run(worker, capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stderr[-2000:]

@@ -7,18 +7,23 @@ What a checkpoint directory guarantees:
 - **Atomic steps.** Orbax writes each step to a temporary directory and renames it
   when complete, so an interrupted save (Ctrl-C, kill -9, a full disk) never touches
   the previous step.
-- **Asynchronous saves.** A save copies the state to the host and returns; one
-  background thread hands it to Orbax and waits for the write while the fit goes on,
-  and the next save (or the fit's end) waits for it first: one save under way at a
-  time. Orbax's own asynchronous mode did part of each save on the caller's thread
-  (its threads, directories and handlers): on the checkpoint benchmark's fit (80
-  saves, ~2.3 ms per update) the fit's thread spent 1.0 s in saves that way and 0.3 s
-  this way (the host copy, and waiting for a save still under way). A job of several
-  processes (`gs.distributed`) saves with Orbax's own asynchronous mode: its saves
-  synchronise the processes, which belongs on each process's main thread.
-- **A failed save is not fatal.** A save that fails (a full disk; a background save's
-  error surfaces when it is waited for) is reported by a warning naming the step and
-  the last step saved; the fit's state stays in memory and the next save writes it.
+- **Asynchronous saves.** A save copies the state to the host, packs it and hands it
+  to a writer process (`_writer`), which writes it with Orbax while the fit goes on;
+  the next save (or the fit's end) waits for it first: one save under way at a time.
+  Orbax's ~20 ms of CPU per step is nearly all Python: run on a thread of the fit's
+  process (as before) it held the GIL the fit's loop needs between its compiled calls,
+  so the light checkpoint benchmark fit (~2.2 ms per update, a save every 25 updates)
+  took 36 % longer with saves than without; with the writer process, 17 % (measured
+  here on 2 cores, where the writer's CPU still competes with the fit's; the fit's
+  loop alone, host copies and shorter compiled calls, is 4-5 %). The writer dies with
+  the fit (kill -9 stops a write under way, as before) and ignores the terminal's
+  Ctrl-C, so an interrupted fit's last save is written. A job of several processes
+  (`gs.distributed`) saves with Orbax's own asynchronous mode: its saves synchronise
+  the processes, which belongs on each process's main thread.
+- **A failed save is not fatal.** A save that fails (a full disk, a writer process
+  that died; a background save's error surfaces when it is waited for) is reported by
+  a warning naming the step and the last step saved; the fit's state stays in memory
+  and the next save writes it (a dead writer is replaced).
 - **Checksums.** A finalised step whose data were damaged afterwards (Orbax restores a
   flipped bit silently) fails its checksum; only such a step -- unreadable, or failing
   its checksum -- is set aside (renamed `<step>.damaged`), and the previous one is used.
@@ -28,9 +33,8 @@ What a checkpoint directory guarantees:
   tree order, `pack`), its metadata the leaves' shapes: Orbax's work per save grows
   with the number of arrays (~0.5 ms each), and a fit state has dozens. On the
   checkpoint benchmark's light fit (35 leaves, 49 kB) a save took 41 ms of CPU with
-  one array per leaf and 24 ms packed: mostly Python, holding the GIL that the fit's
-  loop needs between its compiled calls. Steps written one array per leaf (before
-  this layout) still restore.
+  one array per leaf and 24 ms packed. Steps written one array per leaf (before this
+  layout) still restore.
 - **Fingerprint.** The metadata say what defines the fit (see `Calibrator.fit`); a
   checkpoint of another setup is refused naming what changed, never mixed in and
   never set aside.
@@ -39,7 +43,6 @@ What a checkpoint directory guarantees:
   the kernel releases it when its process dies: a dead writer's lock is taken over.
 """
 
-import concurrent.futures
 import contextlib
 import datetime
 import errno
@@ -56,11 +59,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from gradsolve.calibrate import _writer
+
 
 LOCK_NAME = "gradsolve.lock"
 
 # How often a fit with a checkpoint_dir and no checkpoint_every saves: a crash loses at
-# most this much of its work, and at Orbax's ~25 ms of CPU per save (measured here,
+# most this much of its work, and at Orbax's ~20 ms of CPU per save (measured here,
 # orbax-checkpoint 0.12.8) the saves cost well under 1 % of the fit.
 DEFAULT_INTERVAL = datetime.timedelta(minutes=1)
 
@@ -70,12 +75,11 @@ class Schedule:
     `datetime.timedelta`, at the first update that ends at least that long after the
     last save (or the fit's start).
 
-    Orbax spends ~25 ms of CPU per save (measured here, the state packed into one
-    array per dtype), mostly Python in background threads that share the cores and the
-    GIL with the fit: saving every 25 updates of a fit that takes ~2-4 ms per update
-    costs a large part of its time on 2 cores (docs/benchmarks.md), while a time
-    interval bounds both the work a crash loses and what the saves cost (see
-    docs/calibrator.md)."""
+    Orbax spends ~20 ms of CPU per save (measured here, the state packed into one
+    array per dtype) in the writer process, which shares the cores with the fit:
+    saving every 25 updates of a fit that takes ~2-4 ms per update costs a sizeable
+    part of its time on 2 cores (docs/benchmarks.md), while a time interval bounds both
+    the work a crash loses and what the saves cost (see docs/calibrator.md)."""
 
     def __init__(self, every):
         self.every = DEFAULT_INTERVAL if every is None else every
@@ -241,8 +245,9 @@ class Checkpoints:
     Args:
         directory: where the steps live (made absolute; created if missing).
         max_to_keep: how many steps to keep (>= 2, so there is a fallback).
-        asynchronous: write each step in a background thread (Orbax's asynchronous
-            checkpointing) while the caller goes on; False waits for every save.
+        asynchronous: write each step in the writer process (`_writer`; in a job of
+            several processes, Orbax's asynchronous checkpointing) while the caller
+            goes on; False writes in the caller and waits for every save.
 
     Attributes:
         saved: the newest step known to be complete on disk (written by this object,
@@ -253,25 +258,25 @@ class Checkpoints:
     """
 
     def __init__(self, directory, max_to_keep=3, asynchronous=True):
-        self._ocp = ocp
         self.directory = check_directory(directory)
         self.asynchronous = bool(asynchronous)
+        self.max_to_keep = max(2, int(max_to_keep))
         self.saved = self._writing = self._pending = None
-        # One process: Orbax writes synchronously on our own background thread (see the
-        # module docstring); several: Orbax's asynchronous mode on the main thread.
-        self._thread = (concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="gradsolve-checkpoint")
-            if self.asynchronous and jax.process_count() == 1 else None)
+        # One process: a writer process writes the steps (see `_writer`), started now
+        # so that its start overlaps the fit's compilation; several (gs.distributed):
+        # Orbax's asynchronous mode on each process's main thread (their saves
+        # synchronise the processes).
+        self._writer = (_writer.shared() if self.asynchronous and jax.process_count() == 1
+                        else None)
+        self._opened = None  # the writer that was sent this directory's steps
+        self._replaced = False  # a writer that died was replaced
         # Several processes of one job (gs.distributed) write one checkpoint together
         # (Orbax's multi-process saves): the first holds the lock for all of them.
         self._lock = _Lock(self.directory) if jax.process_index() == 0 else _NoLock()
         try:
-            self.manager = ocp.CheckpointManager(
-                self.directory,
-                options=ocp.CheckpointManagerOptions(
-                    max_to_keep=max(2, int(max_to_keep)),
-                    enable_async_checkpointing=self.asynchronous and self._thread is None,
-                    cleanup_tmp_directories=True, create=True))
+            self.manager = _writer.open_manager(
+                self.directory, self.max_to_keep, cleanup=True,
+                asynchronous=self.asynchronous and self._writer is None)
         except BaseException:
             self._lock.release()
             raise
@@ -284,33 +289,43 @@ class Checkpoints:
         this save or the one before it failed; the caller keeps its state and the next
         save writes it again."""
         ok = self.wait()
-        # Host copies: the caller goes on while Orbax writes in the background and
-        # updates some leaves in place (the loss history); the checksum is then of
-        # exactly the bytes written.
+        step = int(step)
+        # Host copies, packed: the caller goes on while the step is written and updates
+        # some leaves in place (the loss history); the checksum is of exactly the bytes
+        # written.
         state = jax.tree.map(lambda x: np.array(x, copy=True), state)
-        meta = dict(meta, x64=bool(jax.config.jax_enable_x64))
-        if self._thread is not None:
-            self._pending = self._thread.submit(self._write, int(step), state, meta)
-            self._writing = int(step)
+        meta = dict(meta, x64=bool(jax.config.jax_enable_x64), checksum=checksum(state),
+                    shapes=shapes(state), layout="packed")
+        if self._writer is not None and self._writer.gone:
+            self._replace_writer()
+        if self._writer is not None:
+            self._pending = self._writer.request("save", id(self), str(self.directory),
+                                                 self.max_to_keep, step, pack(state), meta)
+            self._opened = self._writer
+            self._writing = step
             return ok
         try:
-            self._write(int(step), state, meta)
+            _writer.write_step(self.manager, step, pack(state), meta, wait=False)
         except Exception as e:  # noqa: BLE001 - a full disk, any I/O error: the fit goes on
-            return self._failed(int(step), e)
-        self._writing = int(step)
+            return self._failed(step, e)
+        self._writing = step
         if not self.asynchronous:
             ok = self.wait() and ok
         return ok
 
-    def _write(self, step, state, meta):
-        """Hand one step to Orbax (on the background thread when there is one: there
-        it also waits for the write, so its failure surfaces in `wait`)."""
-        meta = dict(meta, checksum=checksum(state), shapes=shapes(state), layout="packed")
-        args = self._ocp.args
-        self.manager.save(step, args=args.Composite(
-            state=args.StandardSave(pack(state)), meta=args.JsonSave(meta)), force=True)
-        if self._thread is not None:
-            self.manager.wait_until_finished()
+    def _replace_writer(self):
+        """The writer process died (its save's failure was reported): start another,
+        once; if that one dies too (it cannot start here, say), write the steps in this
+        process from now on, each save holding the fit until it is written."""
+        if not self._replaced:
+            self._writer, self._replaced = _writer.shared(), True
+            return
+        warnings.warn(f"the checkpoint writer process ended twice ({self._writer.why()}); "
+                      f"the steps of this fit in {self.directory} are written by the "
+                      f"fit's own process from now on, each save holding the fit until "
+                      f"it is written", stacklevel=4)
+        self._writer = None
+        self.manager.reload()  # the steps the writer process wrote
 
     def wait(self) -> bool:
         """Wait for the save under way, if any; False (with a warning) if it failed.
@@ -347,6 +362,7 @@ class Checkpoints:
         return False
 
     def steps(self):
+        self.manager.reload()  # the writer process's steps too
         return sorted(self.manager.all_steps())
 
     def discard(self):
@@ -412,7 +428,7 @@ class Checkpoints:
 
     def _restore_step(self, step, like, check_meta):
         """`(state, meta)` of one step, or None (with a warning) if it is damaged."""
-        args = self._ocp.args
+        args = ocp.args
         try:
             meta = self.manager.restore(step, args=args.Composite(
                 meta=args.JsonRestore()))["meta"]
@@ -444,8 +460,10 @@ class Checkpoints:
         try:
             self.wait()
         finally:
-            if self._thread is not None:
-                self._thread.shutdown(wait=True)
+            if self._opened is not None:
+                with contextlib.suppress(Exception):
+                    self._opened.request("close", id(self)).result()
+                self._opened = None
             with contextlib.suppress(Exception):
                 self.manager.close()
             self._lock.release()
