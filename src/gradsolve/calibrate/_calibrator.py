@@ -146,8 +146,8 @@ class Calibrator:
             `checkpoint_dir`, at the end of a fit, when it is interrupted (Ctrl-C) and
             every `checkpoint_every` updates (an int) or once that much wall time has
             passed since the last save (a `datetime.timedelta`; the default, None, is
-            one minute). Each save costs ~25 ms of CPU in background threads, so on
-            fits of a few ms per update a time interval costs least. `fit()` on a
+            one minute). Each save costs ~20 ms of CPU in a writer process beside the
+            fit's, so on fits of a few ms per update a time interval costs least. `fit()` on a
             directory with a checkpoint of the same setup resumes from it (see `fit`).
             A relative path is taken from the current directory; the directory is
             created and checked for writing here.
