@@ -14,6 +14,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 import warnings
 
 import jax
@@ -177,6 +179,27 @@ def test_a_writer_process_that_cannot_start_falls_back_to_the_fits_own(tmp_path,
     monkeypatch.undo()
     again = calibrator(ckpt, checkpoint_every=5).fit(THETA0, steps=STEPS, progress=False)
     assert again.resumed_from == STEPS
+
+
+def test_a_fit_on_a_thread_that_ends_leaves_the_writer_process_running(tmp_path):
+    # Linux's PR_SET_PDEATHSIG, which ends the writer with the fit, fires when the
+    # *thread* that started it ends: a first fit run on a short-lived thread (a thread
+    # pool's) would take the writer down with that thread, and the next fit's first
+    # save would fail. The writer is started by a thread of its own.
+    from gradsolve.calibrate import _writer
+    if _writer._shared is not None and not _writer._shared.gone:
+        _writer._shared.process.kill()  # this fit's thread starts the next one
+        _writer._shared.process.wait()
+    thread = threading.Thread(target=lambda: calibrator(
+        tmp_path / "a", checkpoint_every=5).fit(THETA0, steps=10, progress=False))
+    thread.start()
+    thread.join()
+    time.sleep(0.2)
+    assert _writer._shared.process.poll() is None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="checkpoint step")  # a failed save warns
+        calibrator(tmp_path / "b", checkpoint_every=5).fit(THETA0, steps=10, progress=False)
+    assert steps_in(tmp_path / "b") == [5, 10]
 
 
 def test_ctrl_c_when_its_save_fails_names_the_last_step_saved(tmp_path, capsys):

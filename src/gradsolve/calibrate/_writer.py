@@ -24,6 +24,7 @@ Every request is answered, in order: `("ok", None)` or `("error", exception)`.
 
 import collections
 import concurrent.futures
+import contextlib
 import ctypes
 import importlib
 import logging
@@ -77,7 +78,10 @@ class WriterGone(RuntimeError):
 
 class Writer:
     """The parent's end: `request(...)` sends one request and returns a future of its
-    answer. A reader thread settles the futures in the order they were sent."""
+    answer. A thread of its own starts the process, settles the futures in the order
+    the requests were sent and reaps the process when it ends: Linux ties
+    `PR_SET_PDEATHSIG` to the thread that started the child, so a fit run on a
+    short-lived thread (a thread pool's) must not start it."""
 
     def __init__(self):
         requests_r, requests_w = os.pipe()
@@ -85,20 +89,34 @@ class Writer:
         # The parent's import path (a script may have extended it), JAX on the CPU.
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, __file__, str(requests_r), str(replies_w), str(os.getpid())],
-                pass_fds=(requests_r, replies_w), stdin=subprocess.DEVNULL, env=env)
-        finally:
-            os.close(requests_r)
-            os.close(replies_w)
+        command = [sys.executable, __file__, str(requests_r), str(replies_w),
+                   str(os.getpid())]
         self._send = Connection(requests_w, readable=False)
         self._replies = Connection(replies_r, writable=False)
         self._waiting = collections.deque()
         self._lock = threading.Lock()
         self.gone = False
-        threading.Thread(target=self._read, name="gradsolve-checkpoint-replies",
-                         daemon=True).start()
+        started = concurrent.futures.Future()
+
+        def run():
+            try:
+                self.process = subprocess.Popen(command, pass_fds=(requests_r, replies_w),
+                                                stdin=subprocess.DEVNULL, env=env)
+            except BaseException as err:  # noqa: BLE001 - raised in __init__
+                started.set_exception(err)
+                return
+            finally:
+                os.close(requests_r)
+                os.close(replies_w)
+            started.set_result(None)
+            self._read()
+        threading.Thread(target=run, name="gradsolve-checkpoint-writer", daemon=True).start()
+        try:
+            started.result()
+        except BaseException:
+            self._send.close()
+            self._replies.close()
+            raise
 
     def request(self, *message) -> concurrent.futures.Future:
         future = concurrent.futures.Future()
@@ -125,6 +143,8 @@ class Writer:
                 future.set_result(value)
             else:
                 future.set_exception(value)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=1)  # its exit status, for the messages
         with self._lock:
             self.gone = True
             waiting, self._waiting = self._waiting, collections.deque()
@@ -135,15 +155,6 @@ class Writer:
         code = self.process.poll()
         return (f"the checkpoint writer process (pid {self.process.pid}) ended"
                 + ("" if code is None else f" with exit status {code}"))
-
-    def close(self):
-        """Close the requests' pipe (the writer finishes what it was sent, then exits)."""
-        with self._lock:
-            self._send.close()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
 
 
 _shared = None
