@@ -132,6 +132,8 @@ def kill_at(where, step):
         if where == "sigint" and os.getpgrp() != os.getpid():
             raise RuntimeError("FIT_WORKER_KILL=sigint:N signals its whole process group: "
                                "start the worker in a session of its own")
+        if where == "sigint":  # Python's own handler, as a terminal user's process has
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # (xdist ignores it)
         save, fired = Checkpoints.save, []
 
         def killing(self, n, *args, **kwargs):

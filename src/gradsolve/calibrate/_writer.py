@@ -37,6 +37,9 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
+import jax
+import orbax.checkpoint as ocp
+
 
 def _not_a_merge_notice(record) -> bool:
     # Orbax 0.12.8 tries to merge OCDBT files after every save, OCDBT or not, and warns
@@ -50,8 +53,6 @@ def open_manager(directory, max_to_keep, asynchronous, cleanup):
     The state is written without OCDBT: one file per packed array, not a database of
     them; its saves took ~17 % less CPU (17.5 against 21.8 ms a step, measured here).
     Steps written with OCDBT (before) restore as they are."""
-    import orbax.checkpoint as ocp
-
     logging.getLogger("absl").addFilter(_not_a_merge_notice)
     return ocp.CheckpointManager(directory, item_handlers={
         "state": ocp.StandardCheckpointHandler(use_ocdbt=False),
@@ -63,8 +64,6 @@ def open_manager(directory, max_to_keep, asynchronous, cleanup):
 def write_step(manager, step, packed, meta, wait):
     """Hand one packed step and its JSON metadata to Orbax; with `wait`, return only
     once it is written (a failure raises here)."""
-    import orbax.checkpoint as ocp
-
     args = ocp.args
     manager.save(step, args=args.Composite(
         state=args.StandardSave(packed), meta=args.JsonSave(meta)), force=True)
@@ -245,8 +244,6 @@ def _main():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     here = os.path.realpath(os.path.dirname(__file__))  # not a package's modules
     sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != here]
-    import jax
-
     jax.config.update("jax_enable_x64", True)
     serve(Connection(requests_fd, writable=False), Connection(replies_fd, readable=False))
 
