@@ -450,7 +450,8 @@ def test_a_mesh_that_outgrows_its_width_grows_with_headroom():
     from gradsolve import layout
     from gradsolve.calibrate import _slots
     from gradsolve.mesh import GROWTH, grown_width
-    assert grown_width(9, 0) == padded_width(9) == 10  # nothing compiled: no headroom
+    assert grown_width(9, 0) == padded_width(int(GROWTH * 9)) == 20  # headroom from the start
+    assert grown_width(9, 0, growth=1.0) == padded_width(9) == 10
     assert grown_width(9, 14) == 14 and grown_width(17, 20) == 20  # fits: kept
     assert grown_width(9, 4) == padded_width(int(GROWTH * 9)) == 20
     assert grown_width(9, 4, growth=1.0) == 10

@@ -30,23 +30,35 @@ GROWTH = 2.0
 
 def grown_width(steps: int, current: int = 0, growth: float = GROWTH) -> int:
     """The width a mesh of `steps` steps is replayed at when the compiled replay has
-    `current` columns: `current` while the steps fit, else one of `padded_width`'s
-    widths for `growth` times the steps (`current` 0, nothing compiled yet: for the
-    steps alone). A Calibrator grows the meshes of a network's field so (and replays
-    them `guarded`: the padding costs few steps); others with `growth` 1.
+    `current` columns (0: nothing compiled yet): `current` while the steps fit, else
+    one of `padded_width`'s widths for `growth` times the steps. A Calibrator sizes the
+    meshes of a network's field so from its first record on (and replays them
+    `guarded`: the padding costs few steps); others with `growth` 1, the padded steps.
 
     A mesh that outgrew its width during a fit (a network's field getting stiffer as
     it trains) usually goes on growing, and each new width compiles the update again
     (~1.3-1.6 s on DiffEqFlux's spiral, benchmarks/neural_ode.py). Zero columns
-    replayed plainly cost what steps cost; guarded (`Mesh.guarded`) much less
-    (measured here, value and gradient with 100 outputs, 256 trajectories of a
-    64-wide MLP field, 6 steps at widths 6 / 12 / 18: 29.9 / 62.0 / 92.1 ms plain,
-    28.5 / 44.4 / 52.1 ms guarded). Hence headroom only for the guarded meshes of a
-    network's field; the spiral's and the training's figures with it are in
-    docs/benchmarks.md."""
+    replayed plainly cost what steps cost; guarded (`Mesh.guarded`) much less: see
+    `guarded_from`."""
     if steps <= current:
         return current
-    return padded_width(int(growth * steps) if current else steps)
+    return padded_width(int(growth * steps))
+
+
+def guarded_from(columns: int, growth: float = GROWTH) -> int:
+    """The first column of a guarded mesh of `columns` columns that the replay runs
+    behind a branch: the steps `grown_width` sized the width for (columns / growth,
+    rounded up). The columns before it are replayed plainly, as an unguarded mesh's.
+
+    Measured here (value and gradient with 100 outputs from the continuous extension,
+    32 trajectories of benchmarks/neural_ode.py's MLP field, a 5-step mesh, each
+    against the plain replay of 5 columns in the same process): guarding every column
+    cost 1.15x at width 5 and 1.37-1.42x at width 14 (a branch's residuals are saved
+    per column, taken or not); the first 5 columns plain and the rest behind a branch,
+    recomputed in the backward sweep (`eqx.filter_checkpoint`: a skipped column then
+    saves nothing), 1.11x at width 10 and 1.14x at 14; with 1 or 2 of the steps in
+    the guarded columns, 1.23x and 1.31x at 14."""
+    return min(columns, int(np.ceil(columns / growth)))
 
 
 class Mesh(eqx.Module):
@@ -62,9 +74,10 @@ class Mesh(eqx.Module):
         status: `(n,)` `gs.Status` codes of the record.
         t0, t1: the span's ends (scalars).
         method, rtol, atol, recorder: how the mesh was made.
-        guarded: the replay skips the columns past every trajectory's steps,
-            behind a branch per column (a Calibrator's mesh of a network's field,
-            padded with headroom: `grown_width`); False replays every column.
+        guarded: the replay runs the columns from `guarded_from(S)` on behind a
+            branch per column that skips those past every trajectory's steps (a
+            Calibrator's mesh of a network's field, padded with headroom:
+            `grown_width`); False replays every column.
 
     Examples:
         >>> import gradsolve as gs

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from . import layout, methods
 from .config import Config, check_interpolate, check_ts, default_remat, resolve_interpolate
-from .mesh import Mesh
+from .mesh import Mesh, guarded_from
 from .problem import as_problem, evaluation_size, field, param_axes
 from .status import Status
 
@@ -199,22 +199,31 @@ def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False, mask=
 
 
 def _scan_live(column, skip, carry, columns, live, guarded):
-    """`lax.scan(column, carry, columns)`; with `guarded`, each column runs behind a
-    branch on `live` (the ensemble's most steps): from `live` on every trajectory's
-    step is a padding zero, the identity, and `skip(carry, h_k)` gives what `column`
-    gives for it without evaluating the field. A Calibrator pads the mesh of a
-    network's field with headroom (`mesh.grown_width`) so as not to compile its update
-    again at every new width; the guard keeps that padding from costing steps. `live`
-    is one number for the whole ensemble, so the branch stays a branch under the
-    replay's `vmap` (a `cond` per column costs 12-23% of a taken column, measured
-    here: Lorenz n = 1024, 11.5 -> 14.2 ms a gradient; hence guarded only there)."""
+    """`lax.scan(column, carry, columns)`; with `guarded`, the columns from
+    `mesh.guarded_from` on run behind a branch on `live` (the ensemble's most steps):
+    from `live` on every trajectory's step is a padding zero, the identity, and
+    `skip(carry, h_k)` gives what `column` gives for it without evaluating the field.
+    A Calibrator pads the mesh of a network's field with headroom (`mesh.grown_width`)
+    so as not to compile its update again at every new width; the guard keeps that
+    padding from costing steps. `live` is one number for the whole ensemble, so the
+    branch stays a branch under the replay's `vmap`. A guarded column is recomputed in
+    the backward sweep, so that a skipped one saves no residuals; the columns before
+    `guarded_from`, which the steps the width was sized for fill, run plainly (the
+    costs of each arrangement: `guarded_from`)."""
     if not guarded:
         return jax.lax.scan(column, carry, columns)
+    width = columns.shape[0]
+    plain = guarded_from(width)
+    carry, head = jax.lax.scan(column, carry, columns[:plain])
+    if plain == width:
+        return carry, head
+    recomputed = eqx.filter_checkpoint(column)
 
     def body(carry, x):
         k, h_k = x
-        return jax.lax.cond(k < live, column, skip, carry, h_k)
-    return jax.lax.scan(body, carry, (jnp.arange(columns.shape[0]), columns))
+        return jax.lax.cond(k < live, recomputed, skip, carry, h_k)
+    carry, tail = jax.lax.scan(body, carry, (jnp.arange(plain, width), columns[plain:]))
+    return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), head, tail)
 
 
 def _containing_step(t_grid, ts, n_steps):

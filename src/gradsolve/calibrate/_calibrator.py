@@ -16,8 +16,8 @@ result does not depend on the slots.
 Nothing compiled depends on the number of steps: the step cap is traced, and the
 loss history lives on the host. A refreshed mesh keeps the compiled width while its
 steps fit, and one that outgrows it is widened (a network's field's to twice its
-steps, replayed guarded: `mesh.grown_width`), so a fit compiles its update once per
-width it meets, and meets few.
+steps from the first record on, replayed guarded: `mesh.grown_width`), so a fit
+compiles its update once per width it meets, and meets few.
 """
 
 import copy
@@ -37,7 +37,7 @@ from .. import layout
 from ..config import DEFAULT_MAX_STEPS, NETWORK_SIZE
 from ..record import record_rows
 from ..engines import recorder_of, with_recorder
-from ..mesh import GROWTH, Mesh
+from ..mesh import GROWTH, Mesh, grown_width
 from ..problem import Shared, _is_shared, as_problem, network_size, trajectory_params
 from ..router import plan
 from ..status import Status
@@ -643,6 +643,8 @@ class Calibrator:
         and with it the compiled update, is fixed before the first update) and queued
         for a slot, or failed."""
         mesh, ok = self._record(u, static, K, self.problem.y0)
+        if mesh is not None and self.grows:  # headroom from the start (`grown_width`)
+            mesh = mesh.padded(grown_width(int(np.max(mesh.n_steps)), 0, self._growth))
         ok = np.ones(S, bool) if ok is None else ok
         dtype = self.problem.y0.dtype
         return jax.device_put(FitState(

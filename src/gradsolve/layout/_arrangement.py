@@ -8,7 +8,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import methods
-from ..mesh import grown_width, padded_width
+from ..mesh import grown_width
 from ..status import Status
 from ._devices import size
 from ._memory import held_bytes, replay_bytes, rows_within
@@ -99,10 +99,11 @@ def _plan_sizes(n, D, k, rows_cap):
     return q, -(-c // LANES) * LANES * q
 
 
-def _layout(steps, D, k, rows_cap, S):
+def _layout(steps, D, k, rows_cap, S, growth=1.0):
     """Order (-1 at filler positions), bucket widths and chunks per bucket for
-    `steps` on D devices in k buckets. Fillers stand for copies of the row with the
-    fewest steps: they sort first."""
+    `steps` on D devices in k buckets, each `growth` times its longest row's steps
+    wide (`gs.mesh.grown_width`, at most S). Fillers stand for copies of the row with
+    the fewest steps: they sort first."""
     n = steps.size
     q, m = _plan_sizes(n, D, k, rows_cap)
     n_pad = D * k * m
@@ -119,7 +120,7 @@ def _layout(steps, D, k, rows_cap, S):
     widths = []
     for b in range(k):
         longest = ranked_steps[b * m * D:(b + 1) * m * D].max(initial=0)
-        widths.append(min(S, padded_width(int(longest))) if longest > 0 else 0)
+        widths.append(min(S, grown_width(int(longest), 0, growth)) if longest > 0 else 0)
     widths = [int(w) for w in widths]
     return order, tuple(widths), q
 
@@ -133,9 +134,9 @@ def arrange(n: int, *, dmesh=None, n_steps=None, status=None, columns=None, buck
     or a number (1: no buckets; at most `usable_buckets(n, devices)` are made, the
     rest would hold only filler rows). `rows_cap`: the most rows one chunk may hold
     (None: no limit). `min_widths`: the widths compiled so far, not to shrink below
-    (a Calibrator keeps its compiled update while the step counts wander); a bucket
-    that outgrows its width is given `growth` times its steps (`gs.mesh.grown_width`),
-    at most `columns`.
+    (a Calibrator keeps its compiled update while the step counts wander). Every
+    bucket, and one that outgrows its width, is given `growth` times its steps
+    (`gs.mesh.grown_width`), at most `columns`.
 
     Examples:
         >>> import numpy as np
@@ -161,7 +162,7 @@ def arrange(n: int, *, dmesh=None, n_steps=None, status=None, columns=None, buck
             choices = tuple(k for k in BUCKETS if k == 1 or per // k >= MIN_BUCKET_ROWS)
         else:
             choices = (min(check_buckets(buckets), usable_buckets(n, D)),)
-    plans = [_layout(steps, D, k, rows_cap, S) for k in choices]
+    plans = [_layout(steps, D, k, rows_cap, S, growth) for k in choices]
     if min_widths is not None:  # a bucket that outgrew its width grows with headroom
         plans = [(o, tuple(min(S, grown_width(a, b, growth)) for a, b in zip(w, min_widths))
                   if len(w) == len(min_widths) else w, q) for o, w, q in plans]
