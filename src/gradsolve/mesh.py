@@ -51,13 +51,15 @@ def guarded_from(columns: int, growth: float = GROWTH) -> int:
     rounded up). The columns before it are replayed plainly, as an unguarded mesh's.
 
     Measured here (value and gradient with 100 outputs from the continuous extension,
-    32 trajectories of benchmarks/neural_ode.py's MLP field, a 5-step mesh, each
-    against the plain replay of 5 columns in the same process): guarding every column
-    cost 1.15x at width 5 and 1.37-1.42x at width 14 (a branch's residuals are saved
-    per column, taken or not); the first 5 columns plain and the rest behind a branch,
-    recomputed in the backward sweep (`eqx.filter_checkpoint`: a skipped column then
-    saves nothing), 1.11x at width 10 and 1.14x at 14; with 1 or 2 of the steps in
-    the guarded columns, 1.23x and 1.31x at 14."""
+    32 trajectories of benchmarks/neural_ode.py's MLP field, each against the plain
+    replay of its steps' columns in the same process, two runs): every column behind
+    the branch cost 1.15x at width 5 and 1.37-1.42x at width 14 for a 5-step mesh;
+    with the first half plain, 1.11-1.23x at width 10 for the initial network's 5 steps
+    and 1.16-1.25x for the trained network's 7 (2 steps behind the branch), where
+    recomputing the guarded columns in the backward sweep (`eqx.filter_checkpoint`,
+    so that a skipped one saves no residuals) cost 1.03-1.10x and 1.36-1.62x: a network's
+    mesh grows as it trains, so its steps are the ones that must be cheap. A zero
+    column replayed plainly costs what a step costs (width 10 plain: 1.6-2.5x)."""
     return min(columns, int(np.ceil(columns / growth)))
 
 

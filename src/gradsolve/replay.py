@@ -206,8 +206,7 @@ def _scan_live(column, skip, carry, columns, live, guarded):
     A Calibrator pads the mesh of a network's field with headroom (`mesh.grown_width`)
     so as not to compile its update again at every new width; the guard keeps that
     padding from costing steps. `live` is one number for the whole ensemble, so the
-    branch stays a branch under the replay's `vmap`. A guarded column is recomputed in
-    the backward sweep, so that a skipped one saves no residuals; the columns before
+    branch stays a branch under the replay's `vmap`. The columns before
     `guarded_from`, which the steps the width was sized for fill, run plainly (the
     costs of each arrangement: `guarded_from`)."""
     if not guarded:
@@ -217,11 +216,10 @@ def _scan_live(column, skip, carry, columns, live, guarded):
     carry, head = jax.lax.scan(column, carry, columns[:plain])
     if plain == width:
         return carry, head
-    recomputed = eqx.filter_checkpoint(column)
 
     def body(carry, x):
         k, h_k = x
-        return jax.lax.cond(k < live, recomputed, skip, carry, h_k)
+        return jax.lax.cond(k < live, column, skip, carry, h_k)
     carry, tail = jax.lax.scan(body, carry, (jnp.arange(plain, width), columns[plain:]))
     return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), head, tail)
 
