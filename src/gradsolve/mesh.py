@@ -37,9 +37,17 @@ def grown_width(steps: int, current: int = 0, growth: float = GROWTH) -> int:
 
     A mesh that outgrew its width during a fit (a network's field getting stiffer as
     it trains) usually goes on growing, and each new width compiles the update again
-    (~1.3-1.6 s on DiffEqFlux's spiral, benchmarks/neural_ode.py). Zero columns
+    (1.3-2.7 s on DiffEqFlux's spiral, benchmarks/neural_ode.py). Zero columns
     replayed plainly cost what steps cost; guarded (`Mesh.guarded`) much less: see
-    `guarded_from`."""
+    `guarded_from`.
+
+    Tried and not kept: at least 16 columns of headroom (the spiral's steps go from 4
+    to 17 in 500 updates, so it compiled its update once, not twice: 7.3-7.6 s against
+    10.3-11.7 s for the 500 updates, same session), but skipped guarded columns are
+    not free: the Diffrax example's gradient (32 trajectories, 7 steps) cost 1.28-1.41x
+    the plain replay at width 21 (a branch per column, or per block of 4, 8 or 16)
+    against 1.07-1.11x at width 10, and its update 5.8-6.7 ms against 4.7-5.5 ms. A
+    recompile is paid once; the per-update cost on every update of a long training."""
     if steps <= current:
         return current
     return padded_width(int(growth * steps))
