@@ -20,7 +20,7 @@ LAZY = {"warp": "Warp loads only when a fused engine runs",
         "petab": "optional: the petab extra", "libsbml": "optional: the petab extra",
         "sbmlmath": "optional: the petab extra",
         "": "gs.petab's modules need SymPy (the petab extra): loaded by gs.petab.load",
-        "_problem": "as ''", "_sbml": "as ''"}
+        "_problem": "as ''", "_sbml": "as ''", "_tables": "as ''"}
 
 
 def _modules() -> dict[str, pathlib.Path]:

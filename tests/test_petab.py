@@ -114,8 +114,8 @@ def test_laplace_noise_and_log_transformations(tmp_path):
         m = pd.concat([m, m.iloc[[0]].assign(observableId="obs_c", measurement=0.3)])
         m.to_csv(folder / "_measurements.tsv", sep="\t", index=False)
     prob = gs.petab.load(_variant(tmp_path, "0007", edit))
-    assert [o[2:4] for o in prob._obs] == [("lin", "laplace"), ("log10", "laplace"),
-                                           ("log", "laplace")]
+    assert [(o.transformation, o.distribution) for o in prob.tables.observables] == [
+        ("lin", "laplace"), ("log10", "laplace"), ("log", "laplace")]
     sim = prob.simulate()
     from petab.v1 import calculate
     p = prob.petab_problem
@@ -225,7 +225,7 @@ def test_objective_priors_enter_the_calibrators_loss_not_the_llh(tmp_path):
                        ("parameterScaleNormal", -0.1, 0.3),
                        ("parameterScaleLaplace", 0.2, 0.5)]:
         for pid in ("a0", "k1", "k2"):  # lin, log10, log
-            prob.priors = {pid: (kind, a, b)}
+            prob.tables.priors = {pid: (kind, a, b)}
             pscale = prob.scales[pid]
             ref = Prior(kind, (a, b), transformation=pscale)
             x = theta[pid]

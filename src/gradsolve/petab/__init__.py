@@ -65,8 +65,8 @@ def load(path, *, rtol=1e-8, atol=1e-10, max_steps=DEFAULT_MAX_STEPS, stiff=True
     """
     _require()
     from petab import v1 as petab_v1  # the petab extra
-    from ._problem import PetabProblem, _check_model  # (needs sympy: the petab extra)
-    from ._sbml import from_sbml  # (needs sympy: the petab extra)
+    from ._problem import PetabProblem  # (needs sympy: the petab extra)
+    from ._sbml import check_model, from_sbml  # (needs sympy: the petab extra)
 
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
@@ -80,7 +80,7 @@ def load(path, *, rtol=1e-8, atol=1e-10, max_steps=DEFAULT_MAX_STEPS, stiff=True
     if problem.model is None or not hasattr(problem.model, "sbml_model"):
         raise ValueError(f"{path}: gs.petab reads SBML models only")
     model = from_sbml(problem.model.sbml_model)
-    _check_model(model)
+    check_model(model)
     name = name or os.path.splitext(os.path.basename(path))[0]
     return PetabProblem(problem, model, rtol=rtol, atol=atol, max_steps=max_steps,
                         stiff=stiff, fused=fused, name=name)
@@ -103,6 +103,7 @@ def test_case(case: str, version: str = "v1.0.0", fmt: str = "sbml") -> str:
 def __getattr__(name):
     if name in _LAZY:
         _require()
-        from . import _problem, _sbml  # (need sympy: the petab extra)
-        return getattr(_problem, name, None) or getattr(_sbml, name)
+        from . import _problem, _sbml, _tables  # (need sympy: the petab extra)
+        return getattr(_problem, name, None) or getattr(_tables, name, None) \
+            or getattr(_sbml, name)
     raise AttributeError(f"module 'gradsolve.petab' has no attribute {name!r}")

@@ -262,3 +262,9 @@ def _refuse(m, libsbml):
             if s.isSetConversionFactor():
                 raise UnsupportedSBML(f"conversion factors are not supported (species "
                                       f"{s.getId()!r})")
+
+
+def check_model(model: Model):
+    """Refuse a model nothing can be simulated of."""
+    if not model.states:
+        raise UnsupportedSBML("the model has no state variables (nothing changes in time)")
