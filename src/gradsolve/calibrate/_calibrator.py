@@ -20,8 +20,6 @@ steps from the first record on, replayed guarded: `mesh.grown_width`), so a fit
 compiles its update once per width it meets, and meets few.
 """
 
-import copy
-import dataclasses
 import functools
 import json
 import time
@@ -38,10 +36,10 @@ from ..config import DEFAULT_MAX_STEPS, NETWORK_SIZE
 from ..record import record_rows
 from ..engines import recorder_of, with_recorder
 from ..mesh import GROWTH, Mesh, grown_width
-from ..problem import Shared, _is_shared, as_problem, network_size, trajectory_params
+from ..problem import Shared, _is_shared, as_problem, network_size
 from ..router import plan
 from ..status import Status
-from . import _fingerprint, _report, _result, _slots, _state, _transforms, _validate
+from . import _fingerprint, _profile, _report, _slots, _state, _transforms, _validate
 from ._checkpoint import Checkpoints, Schedule, check_directory, check_every, checksum
 from ._objective import MAX_UPDATES_PER_CALL, Objective, make_update, make_updates
 from ._result import FitResult
@@ -198,6 +196,9 @@ class Calibrator:
                  engine=None, recorder=None, refresh_every="auto", drift_every=None,
                  drift_tol=None, batch_size=None, checkpoint_dir=None, checkpoint_every=None,
                  devices=None, buckets=None, memory_budget=None):
+        # The keyword settings as given: a profile builds its Calibrator from them.
+        self._settings = {k: v for k, v in locals().items()
+                          if k not in ("self", "prob", "loss", "to_params", "data", "optimizer")}
         self.problem = as_problem(prob)
         if not callable(loss):
             raise TypeError("loss must be callable as loss(ys_b, theta_b, data_b)")
@@ -256,19 +257,14 @@ class Calibrator:
         self.batch_size = batch_size
         self.drift_tol = None if drift_tol is None else float(drift_tol)
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
-        self._compile(self.problem, optimizer)
-        self._max_updates = MAX_UPDATES_PER_CALL  # 1: one update per call (tests)
-
-    def _compile(self, prob, optimizer):
-        """The pure parts over `prob` (the Calibrator's, or a profile's rows) and
-        their compiled forms."""
         self.objective = Objective(
-            loss=self.loss, to_params=self.to_params, to_y0=self.to_y0,
-            transform=self.transform, batch_size=self.batch_size,
-            ys=self._engine.ys_function(prob, self.config, "reverse"))
+            loss=loss, to_params=to_params, to_y0=to_y0, transform=transform,
+            batch_size=batch_size,
+            ys=self._engine.ys_function(self.problem, self.config, "reverse"))
         self._update = eqx.filter_jit(make_updates(make_update(self.objective, optimizer)))
         self._replayed = eqx.filter_jit(lambda mesh, params, y0, arr: layout.run(
             self.objective.ys, arr, mesh, params, y0))
+        self._max_updates = MAX_UPDATES_PER_CALL  # 1: one update per call (tests)
 
     # -- records --------------------------------------------------------------------
 
@@ -439,7 +435,8 @@ class Calibrator:
         try:
             try:
                 while True:
-                    state, window = self._fill(state, window, K, B)
+                    state, window = _slots.fill(state, window, K, B, self.problem.y0,
+                                                self.data)
                     settled = window
                     if window is None or not np.asarray(window.state.active).any():
                         break  # no start left to run
@@ -468,7 +465,7 @@ class Calibrator:
                     if store is not None and schedule.due(done):
                         # Written in the background while the fit goes on; a save
                         # that fails is warned about and the next one writes again.
-                        state = self._flush(state, window)
+                        state = _slots.flush(state, window)
                         store.save(done, state._asdict(), meta)
                         tried = done
                         schedule.saved()
@@ -480,7 +477,7 @@ class Calibrator:
                     raise
                 raise KeyboardInterrupt from err
             if window is not None:
-                state = self._flush(state, window)
+                state = _slots.flush(state, window)
             # The fit's end is saved unless its last update's save was tried already (a
             # failure is a warning either way: the result returned holds every update).
             if store is not None and done > 0:
@@ -490,7 +487,7 @@ class Calibrator:
                     store.wait()
         except KeyboardInterrupt:
             if settled is not None:
-                state = self._flush(state, settled)
+                state = _slots.flush(state, settled)
             done = int(state.update)
             how = "nothing saved (no checkpoint_dir)"
             if done == 0:
@@ -541,44 +538,8 @@ class Calibrator:
             A `FitResult` with one fit per grid point (`theta[name]` is the grid),
             `.plot(kind="profile", name=name)` to draw it.
         """
-        best = res.best()
-        grid = np.asarray(grid, np.asarray(jax.tree.leaves(best.theta)[0]).dtype).ravel()
-        G = grid.size
-        paths = [p for p, x in jax.tree_util.tree_leaves_with_path(best.theta)
-                 if eqx.is_array(x) or isinstance(x, np.ndarray)]
-        names = {_result._name(p): p for p in paths}
-        if name not in names:
-            raise ValueError(f"no leaf {name!r} in theta; its leaves are {sorted(names)}")
-        if np.ndim(_leaf_at(best.theta, names[name])) != 0:
-            raise ValueError(f"theta[{name!r}] holds {np.shape(_leaf_at(best.theta, names[name]))} "
-                             f"values per fit; a profile fixes a leaf of one number")
-        _validate.check_grid(self.transform, name, names[name], grid)
-        B = np.shape(res.loss)[0]
-        K = self.problem.n // B
-        fixed = names[name]
-        theta0 = jax.tree_util.tree_map_with_path(
-            lambda p, x: jnp.asarray(grid) if p == fixed else
-            jnp.broadcast_to(jnp.asarray(x), (G,) + np.shape(x)) if eqx.is_array(x)
-            or isinstance(x, np.ndarray) else x, best.theta)
-        # The best fit's K trajectories and data, once per grid point.
-        rows = np.tile(np.arange(best.index * K, (best.index + 1) * K), G)
-        prob = self.problem.replace(y0=self.problem.y0[rows],
-                                    params=trajectory_params(self.problem.params, rows))
-        data = None if self.data is None else jax.tree.map(
-            lambda d: jnp.broadcast_to(d[best.index], (G,) + np.shape(d)[1:]), self.data)
-        hold = jax.tree_util.tree_map_with_path(  # the structure of the optimised u
-            lambda p, x: p == fixed, eqx.filter(best.theta, eqx.is_inexact_array))
-        jobs = copy.copy(self)
-        jobs.problem, jobs.data, jobs.checkpoint_dir, jobs.checkpoint_every = prob, data, None, None
-        jobs.one_fit = False  # theta0 below leads with the grid points
-        if np.ndim(self.config.dt0):  # a first step per trajectory: the profile's rows'
-            jobs.config = dataclasses.replace(self.config,
-                                              dt0=np.asarray(self.config.dt0)[rows])
-        # Zero updates for the fixed leaf: it stays at its grid value exactly.
-        jobs.optimizer = optax.chain(self.optimizer, optax.masked(optax.set_to_zero(), hold))
-        jobs._compile(prob, jobs.optimizer)
-        return jobs.fit(theta0, steps=steps, tol=tol, grad_tol=grad_tol, progress=progress,
-                        slots=slots)
+        return _profile.profile(self, res, name, grid, steps=steps, tol=tol,
+                                grad_tol=grad_tol, progress=progress, slots=slots)
 
     def _step(self, window, static, tol, grad_tol, cap, n, refill):
         """Up to `n` compiled updates of the slots' fits (`_objective.make_updates`)."""
@@ -657,66 +618,6 @@ class Calibrator:
             mesh=_mesh_arrays(mesh)))._replace(history=np.full((steps, S), np.nan, dtype),
                                                drift=np.full((steps, S), np.nan, dtype))
 
-    # -- the slots: which starts the compiled update runs on ---------------------------
-
-    def _fill(self, state, window, K, B):
-        """Slots whose fit has stopped take the next queued starts, lowest index first.
-        Returns the state with the stopped fits written back, and the window (None if
-        no start is left to run; none of its fits active once all have stopped)."""
-        S = state.active.shape[0]
-        waiting = np.asarray(state.active).copy()
-        if window is None:  # the first fill (or after a restore): active starts in order
-            free, start = np.arange(B), np.full(B, -1, np.int32)
-        else:
-            free, start = np.flatnonzero(~np.asarray(window.state.active)), window.start.copy()
-            waiting[window.start] = False  # the slots' own fits, running or stopped
-        queue = np.flatnonzero(waiting)
-        if window is None and not queue.size:
-            return state, None
-        if window is not None and (not free.size or not queue.size):
-            return state, window
-        if window is not None:  # the stopped fits back into the state
-            state = self._flush(state, window, free)
-        take = queue[:free.size]
-        start[free[:take.size]] = take
-        if window is None:
-            # Slots no start takes hold a stopped fit, inactive: a placeholder.
-            start[free[take.size:]] = np.setdiff1d(np.arange(S), take)[:B - take.size]
-        entering = np.isin(np.arange(B), free[:take.size])
-        window = self._gather(state, window, start, entering, K)
-        status = np.asarray(window.state.status)
-        status = np.where(entering & (status == FitStatus.QUEUED), FitStatus.RUNNING, status)
-        return state, window._replace(state=window.state._replace(
-            status=jax.device_put(status.astype(np.int32))))
-
-    def _gather(self, state, window, start, entering, K):
-        """The window with slots `entering` loaded from the state's starts `start`."""
-        if window is None:
-            rows = _slots.trajectories(start, K)
-            mesh = None if state.mesh is None else dict(
-                state.mesh, **{k: _slots.rows(state.mesh[k], rows) for k in _slots.ROW_FIELDS})
-            new = state._replace(history=None, drift=None, mesh=mesh,
-                                 **{f: _slots.rows(getattr(state, f), start) for f in _slots.FIT_FIELDS})
-        else:  # the slots that keep their fit keep the window's copy
-            at = np.flatnonzero(entering)
-            new = _slots.moved(window.state, at, state, start[at], K)
-        y0 = jax.device_put(np.asarray(self.problem.y0)[_slots.trajectories(start, K)])
-        data = None if self.data is None else jax.tree.map(
-            lambda d: jax.device_put(np.asarray(d)[start]), self.data)
-        return _slots.Window(start=start.copy(), state=new, y0=y0, data=data)
-
-    def _flush(self, state, window, slots=None):
-        """The state with the window's fits in `slots` (default all) written back;
-        the counters are the window's."""
-        ws = window.state
-        S, B = state.active.shape[0], ws.active.shape[0]
-        counters = dict(update=ws.update, refreshes=ws.refreshes)
-        if B == S and slots is None and (window.start == np.arange(S)).all():
-            return ws._replace(history=state.history, drift=state.drift, **counters)
-        slots = np.arange(B) if slots is None else np.asarray(slots)
-        K = window.y0.shape[0] // B
-        return _slots.moved(state, window.start[slots], ws, slots, K)._replace(**counters)
-
     def _maybe_refresh(self, window, drift, static, K):
         """Re-record where a running fit's own update count is due (`refresh_every`),
         or its drift check (`drift_every`) finds its mesh stale: those fits take their
@@ -748,10 +649,6 @@ class Calibrator:
             active=jax.device_put(np.asarray(ws.active) & ~failed),
             status=jax.device_put(np.where(failed, FitStatus.RECORD_FAILED,
                                            np.asarray(ws.status)).astype(np.int32))))
-
-
-def _leaf_at(tree, path):
-    return next(x for p, x in jax.tree_util.tree_leaves_with_path(tree) if p == path)
 
 
 def _all_shared(params) -> bool:

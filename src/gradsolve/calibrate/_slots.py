@@ -1,6 +1,7 @@
-"""The slot scheduler's moves: a window of starts that the compiled update runs on
-(`fit(..., slots=m)`), and the host-side copies of fits and their mesh rows between
-the window and the whole fit state. In NumPy: `jnp` indexing compiles once per shape."""
+"""The slot scheduler: a window of starts that the compiled update runs on
+(`fit(..., slots=m)`), refilled as fits stop (`fill`, `flush`), and the host-side
+copies of fits and their mesh rows between the window and the whole fit state. In
+NumPy: `jnp` indexing compiles once per shape."""
 
 from typing import Any, NamedTuple
 
@@ -8,7 +9,7 @@ import jax
 import numpy as np
 
 from ..mesh import grown_width
-from ._state import FitState
+from ._state import FitState, FitStatus
 
 
 class Window(NamedTuple):
@@ -97,3 +98,67 @@ def adopt(arrays, fresh, fits, K, growth):
         out[k] = jax.device_put(np.where(rows.reshape((-1,) + (1,) * (old.ndim - 1)),
                                          new, old))
     return out
+
+
+# -- the scheduler: which starts the compiled update runs on ----------------------------
+
+def fill(state, window, K, B, y0, data):
+    """Slots whose fit has stopped take the next queued starts, lowest index first.
+    Returns the state with the stopped fits written back, and the window (None if
+    no start is left to run; none of its fits active once all have stopped). `y0` and
+    `data` are the whole fit's problem y0 (S * K rows) and data (S fits)."""
+    S = state.active.shape[0]
+    waiting = np.asarray(state.active).copy()
+    if window is None:  # the first fill (or after a restore): active starts in order
+        free, start = np.arange(B), np.full(B, -1, np.int32)
+    else:
+        free, start = np.flatnonzero(~np.asarray(window.state.active)), window.start.copy()
+        waiting[window.start] = False  # the slots' own fits, running or stopped
+    queue = np.flatnonzero(waiting)
+    if window is None and not queue.size:
+        return state, None
+    if window is not None and (not free.size or not queue.size):
+        return state, window
+    if window is not None:  # the stopped fits back into the state
+        state = flush(state, window, free)
+    take = queue[:free.size]
+    start[free[:take.size]] = take
+    if window is None:
+        # Slots no start takes hold a stopped fit, inactive: a placeholder.
+        start[free[take.size:]] = np.setdiff1d(np.arange(S), take)[:B - take.size]
+    entering = np.isin(np.arange(B), free[:take.size])
+    window = _gather(state, window, start, entering, K, y0, data)
+    status = np.asarray(window.state.status)
+    status = np.where(entering & (status == FitStatus.QUEUED), FitStatus.RUNNING, status)
+    return state, window._replace(state=window.state._replace(
+        status=jax.device_put(status.astype(np.int32))))
+
+
+def _gather(state, window, start, entering, K, y0, data):
+    """The window with slots `entering` loaded from the state's starts `start`."""
+    if window is None:
+        at = trajectories(start, K)
+        mesh = None if state.mesh is None else dict(
+            state.mesh, **{k: rows(state.mesh[k], at) for k in ROW_FIELDS})
+        new = state._replace(history=None, drift=None, mesh=mesh,
+                             **{f: rows(getattr(state, f), start) for f in FIT_FIELDS})
+    else:  # the slots that keep their fit keep the window's copy
+        at = np.flatnonzero(entering)
+        new = moved(window.state, at, state, start[at], K)
+    y0 = jax.device_put(np.asarray(y0)[trajectories(start, K)])
+    data = None if data is None else jax.tree.map(
+        lambda d: jax.device_put(np.asarray(d)[start]), data)
+    return Window(start=start.copy(), state=new, y0=y0, data=data)
+
+
+def flush(state, window, slots=None):
+    """The state with the window's fits in `slots` (default all) written back; the
+    counters are the window's."""
+    ws = window.state
+    S, B = state.active.shape[0], ws.active.shape[0]
+    counters = dict(update=ws.update, refreshes=ws.refreshes)
+    if B == S and slots is None and (window.start == np.arange(S)).all():
+        return ws._replace(history=state.history, drift=state.drift, **counters)
+    slots = np.arange(B) if slots is None else np.asarray(slots)
+    K = window.y0.shape[0] // B
+    return moved(state, window.start[slots], ws, slots, K)._replace(**counters)

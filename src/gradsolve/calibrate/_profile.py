@@ -1,0 +1,59 @@
+"""Profile likelihoods: one parameter held at each grid value while the others are
+re-optimised, every grid point a concurrent fit of a new Calibrator.
+
+The new Calibrator is built from the given one's settings (`Calibrator._settings`)
+over the best fit's rows, once per grid point, with its optimizer masked on the fixed
+leaf (`optax.masked(optax.set_to_zero(), ...)`: zero updates, so the leaf stays at
+its grid value exactly), its engine, and no checkpoints.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ..problem import trajectory_params
+from . import _result, _validate
+
+
+def profile(cal, res, name, grid, *, steps, tol, grad_tol, progress, slots):
+    """`Calibrator.profile` of the Calibrator `cal` (see there)."""
+    best = res.best()
+    grid = np.asarray(grid, np.asarray(jax.tree.leaves(best.theta)[0]).dtype).ravel()
+    G = grid.size
+    leaves = {_result._name(p): (p, x) for p, x in jax.tree_util.tree_leaves_with_path(
+        best.theta) if eqx.is_array(x) or isinstance(x, np.ndarray)}
+    if name not in leaves:
+        raise ValueError(f"no leaf {name!r} in theta; its leaves are {sorted(leaves)}")
+    fixed, value = leaves[name]
+    if np.ndim(value) != 0:
+        raise ValueError(f"theta[{name!r}] holds {np.shape(value)} values per fit; a "
+                         f"profile fixes a leaf of one number")
+    _validate.check_grid(cal.transform, name, fixed, grid)
+    B = np.shape(res.loss)[0]
+    K = cal.problem.n // B
+    theta0 = jax.tree_util.tree_map_with_path(
+        lambda p, x: jnp.asarray(grid) if p == fixed else
+        jnp.broadcast_to(jnp.asarray(x), (G,) + np.shape(x)) if eqx.is_array(x)
+        or isinstance(x, np.ndarray) else x, best.theta)
+    # The best fit's K trajectories and data, once per grid point.
+    rows = np.tile(np.arange(best.index * K, (best.index + 1) * K), G)
+    prob = cal.problem.replace(y0=cal.problem.y0[rows],
+                               params=trajectory_params(cal.problem.params, rows))
+    data = None if cal.data is None else jax.tree.map(
+        lambda d: jnp.broadcast_to(d[best.index], (G,) + np.shape(d)[1:]), cal.data)
+    hold = jax.tree_util.tree_map_with_path(  # the structure of the optimised u
+        lambda p, x: p == fixed, eqx.filter(best.theta, eqx.is_inexact_array))
+    settings = dict(cal._settings, engine=cal._engine, refresh_every=cal.refresh_every,
+                    checkpoint_dir=None, checkpoint_every=None)
+    if np.ndim(cal.config.dt0):  # a first step per trajectory: the profile's rows'
+        settings["dt0"] = np.asarray(cal.config.dt0)[rows]
+    # theta0 leads with the grid points: to_params is given, so never one fit (a
+    # one-fit Calibrator's to_params re-wraps the shared leaves, its data has B = 1).
+    jobs = type(cal)(prob, cal.loss, cal.to_params, data,
+                     optax.chain(cal.optimizer, optax.masked(optax.set_to_zero(), hold)),
+                     **settings)
+    jobs._max_updates = cal._max_updates
+    return jobs.fit(theta0, steps=steps, tol=tol, grad_tol=grad_tol, progress=progress,
+                    slots=slots)
