@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import gradsolve as gs  # noqa: E402
+from gradsolve.calibrate import _policies  # noqa: E402
 
 sys.path.append(str(ROOT / "recipes"))
 import galactic_halo  # noqa: E402
@@ -198,11 +199,11 @@ def refresh_fit(prob, count, theta0, B=8, K=4, q_low=0.55, every=10, steps=40):
     _, _, _, cals = calibrators("galactic", B, ys[..., :3].reshape(B, K, -1, 3), every,
                                 sides=("replay",))
     cal, rows, pending = cals["replay"], [], {}
-    refresh, step = cal._maybe_refresh, cal._step
+    refresh, step = _policies.Refresh.apply, cal._step
     width = lambda window: int(window.state.mesh["h"].shape[1])
 
-    def maybe_refresh(window, *a):
-        new, r = count.timed(lambda: refresh(window, *a), lambda new: new.state.mesh)
+    def maybe_refresh(policy, window, *a):
+        new, r = count.timed(lambda: refresh(policy, window, *a), lambda new: new.state.mesh)
         pending.update(refresh=r, width_before=width(window), width=width(new),
                        refreshed=int(new.state.refreshes) != int(window.state.refreshes))
         return new
@@ -212,8 +213,11 @@ def refresh_fit(prob, count, theta0, B=8, K=4, q_low=0.55, every=10, steps=40):
         rows.append(dict(pending, call=len(rows) + 1, updates=int(new[1]), step=r))
         pending.clear()
         return new
-    cal._maybe_refresh, cal._step = maybe_refresh, timed_step
-    timed_fit(cal, theta0, steps)
+    _policies.Refresh.apply, cal._step = maybe_refresh, timed_step
+    try:
+        timed_fit(cal, theta0, steps)
+    finally:
+        _policies.Refresh.apply = refresh
     refreshes = [r for r in rows if r.get("refreshed")]
     warm_s = [r["step"]["s"] / r["updates"] for r in rows if not (r.get("refreshed") or
                                                                    r["step"]["compilations"])]

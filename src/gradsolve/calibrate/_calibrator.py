@@ -20,17 +20,12 @@ steps from the first record on, replayed guarded: `mesh.grown_width`), so a fit
 compiles its update once per width it meets, and meets few.
 """
 
-import functools
-import json
-import time
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .._version import __version__
 from .. import layout
 from ..config import DEFAULT_MAX_STEPS, NETWORK_SIZE
 from ..record import record_rows
@@ -39,11 +34,10 @@ from ..mesh import GROWTH, Mesh, grown_width
 from ..problem import Shared, _is_shared, as_problem, network_size
 from ..router import plan
 from ..status import Status
-from . import _fingerprint, _profile, _report, _slots, _state, _transforms, _validate
-from ._checkpoint import Checkpoints, Schedule, check_directory, check_every, checksum
+from . import _driver, _profile, _validate
+from ._checkpoint import check_directory, check_every
 from ._objective import MAX_UPDATES_PER_CALL, Objective, make_update, make_updates
-from ._result import FitResult
-from ._state import STATE_FORMAT, FitState, FitStatus
+from ._state import FitState, FitStatus
 
 
 # refresh_every="auto" for a fit over a network (`gs.Shared` parameters of
@@ -67,12 +61,6 @@ def auto_refresh_every(n: int, batch_size) -> int:
     minibatches of `batch_size` (None: all n); see `AUTO_REFRESH_PER_RATIO`."""
     rows = n if batch_size is None else batch_size
     return int(np.clip(np.ceil(AUTO_REFRESH_PER_RATIO * n / rows), *AUTO_REFRESH_RANGE))
-# The wall time a call of the compiled loop aims at: the host returns between calls to
-# refresh, save, report progress and take Ctrl-C, so a call runs as many updates as fit
-# in CALL_SECONDS by the last call's pace (at most MAX_UPDATES_PER_CALL), cut at the
-# next update where a refresh, drift check or counted save is due. Results do not
-# depend on it: every update, one per call or many, runs the same compiled body.
-CALL_SECONDS = 0.1
 
 
 def _mesh_arrays(mesh):
@@ -287,49 +275,6 @@ class Calibrator:
                     atol=self.config.atol, recorder=recorder_of(self._engine),
                     guarded=self.grows)
 
-    def _drift(self, mesh, fresh, u, static, K, y0):
-        """Per fit, the largest relative change of its replayed outputs from `mesh` to
-        `fresh`."""
-        theta = self.objective.theta(u, static)
-        params, y0 = self.objective.params(theta, K), self.objective.y0(theta, y0)
-        old, new = (np.asarray(self._replayed(
-            m, params, y0, self._arrangement(m, y0.shape[0], cache=False))
-        ).reshape(y0.shape[0], -1) for m in (mesh, fresh))
-        change = np.linalg.norm(old - new, axis=1) / np.linalg.norm(new, axis=1)
-        return change.reshape(-1, K).max(axis=1)
-
-    # -- what defines a fit -----------------------------------------------------------
-
-    def _fingerprint(self, state, static, theta0, K, tol, grad_tol) -> dict:
-        """What a checkpoint must match to be resumed: the settings, checksums of the
-        inputs, and hashes of the traced loss (f_jax, to_params, transform, loss, the
-        replay) and of the traced optimizer update (its kind and constants, such as
-        the learning rate). `steps` is not part of it: it is a cap."""
-        B = state.active.shape[0]
-        cfg, prob = self.config, self.problem
-        mesh = None
-        if state.mesh is not None:  # a fixed width: the hash must not depend on a record
-            mesh = self._mesh(dict(jax.tree.map(_fingerprint.abstract, state.mesh),
-                                   h=jax.ShapeDtypeStruct((prob.n, 8), state.mesh["h"].dtype)))
-        losses = functools.partial(self.objective.losses, static=static, K=K)
-        loss_jaxpr = jax.make_jaxpr(lambda u, m, d, y: losses(u, mesh=m, data=d, y0=y))(
-            _fingerprint.abstract(state.u), mesh, _fingerprint.abstract(self.data), _fingerprint.abstract(prob.y0))
-        opt_jaxpr = jax.make_jaxpr(jax.vmap(self.optimizer.update))(
-            _fingerprint.abstract(state.u), _fingerprint.abstract(state.opt_state), _fingerprint.abstract(state.u))
-        return {
-            "problem": prob.name, "t_span": [float(t) for t in prob.t_span],
-            "y0": checksum(prob.y0)[:16], "method": cfg.method, "rtol": cfg.rtol,
-            "atol": cfg.atol, "max_steps": cfg.max_steps, "engine": self.engine,
-            "dt0": None if cfg.dt0 is None else checksum(np.asarray(cfg.dt0))[:16],
-            "ts": None if cfg.ts is None else [float(t) for t in cfg.ts],
-            "dtype": str(prob.y0.dtype), "B": int(B), "K": int(K),
-            "refresh_every": self.refresh_every, "drift_every": self.drift_every,
-            "drift_tol": self.drift_tol, "tol": tol, "grad_tol": grad_tol,
-            "batch_size": self.batch_size, "state_format": STATE_FORMAT,
-            "theta0": checksum(eqx.filter(theta0, eqx.is_array))[:16],
-            "data": checksum(self.data)[:16],
-            "loss": _fingerprint.jaxpr_hash(loss_jaxpr), "optimizer": _fingerprint.jaxpr_hash(opt_jaxpr)}
-
     # -- the loop -------------------------------------------------------------------
 
     def fit(self, theta0=None, steps=400, tol=None, grad_tol=None, progress=True, key=None,
@@ -387,135 +332,7 @@ class Calibrator:
             >>> more.resumed_from, more.updates, more.history.shape
             (20, 30, (30, 2))
         """
-        theta0 = _validate.with_fit_axis(self, theta0)
-        S, K = _validate.check_fit(self, theta0, steps)
-        B = _slots.check_slots(slots, S)
-        tol, grad_tol = _validate.check_tol("tol", tol), _validate.check_tol("grad_tol", grad_tol)
-        steps = int(steps)
-        u0 = _transforms.apply(self.transform, theta0, "inverse")
-        _validate.check_domain(self.transform, theta0, u0)
-        u, static = eqx.partition(_strong(u0), eqx.is_inexact_array)
-        state = _strong(self._initial_state(u, static, S, K, steps, key))
-        store = resumed_from = meta = None
-        if self.checkpoint_dir is not None:
-            meta = {"gradsolve": __version__,
-                    "fit": self._fingerprint(state, static, theta0, K, tol, grad_tol)}
-            json.dumps(meta)  # anything JSON cannot hold fails now, not at the first save
-            store = Checkpoints(self.checkpoint_dir)
-            try:
-                if not resume:
-                    store.discard()
-                else:
-                    found = store.restore_latest(
-                        state._asdict(), functools.partial(_fingerprint.check_meta, meta["fit"],
-                                                           self.checkpoint_dir))
-                    if found is not None:
-                        resumed_from = found[0]
-                        state = _state.continued(FitState(**found[1]), steps)
-            except BaseException:
-                store.close()
-                raise
-        cap = jnp.asarray(steps, jnp.int32)
-        done = int(state.update)
-        tried = None  # the last step this fit tried to save
-        schedule = Schedule(self.checkpoint_every)
-        queue = B < S
-        bar = _report.progress_bar(progress, S if queue else steps,
-                        int(np.sum(~np.asarray(state.active))) if queue else done, queue)
-        if resumed_from is not None:
-            _report.say(bar, f"gradsolve: resumed from checkpoint step {resumed_from} in "
-                      f"{self.checkpoint_dir} ({done} updates run in all; the fits have done "
-                      f"{np.asarray(state.steps).min()}..{np.asarray(state.steps).max()} updates "
-                      f"each, capped at steps={steps} per fit)")
-        # `settled`: the window as the last completed call left it (or as the last
-        # fill made it). Ctrl-C keeps that, not a refresh made for a call that did not
-        # finish: the resumed fit refreshes there again, as the uninterrupted one did
-        # (keeping the refresh would count it twice).
-        window = settled = pace = None
-        try:
-            try:
-                while True:
-                    state, window = _slots.fill(state, window, K, B, self.problem.y0,
-                                                self.data)
-                    settled = window
-                    if window is None or not np.asarray(window.state.active).any():
-                        break  # no start left to run
-                    window = self._maybe_refresh(window, state.drift, static, K)
-                    before = np.asarray(window.state.active)
-                    if not before.any():  # every slot's refresh failed: fill them again
-                        continue
-                    n = self._updates_due(window, done, None if store is None else schedule,
-                                          pace)
-                    began = time.perf_counter()
-                    new, count, (at, ran, losses) = self._step(window, static, tol,
-                                                               grad_tol, cap, n, queue)
-                    window, count = window._replace(state=new), int(count)
-                    pace = (time.perf_counter() - began) / count
-                    # A fit's history row t is its loss at its update t.
-                    at, ran, losses = (np.asarray(x)[:count] for x in (at, ran, losses))
-                    state.history[at[ran], np.broadcast_to(window.start, ran.shape)[ran]] = \
-                        losses[ran]
-                    # Settled only with its history written: a Ctrl-C before this line
-                    # keeps the window as it was before the call (the resumed fit runs
-                    # those updates again, to the same numbers), never updates whose
-                    # losses are missing from the history.
-                    settled = window
-                    done += count
-                    _report.show(bar, state, window, queue, count)
-                    if store is not None and schedule.due(done):
-                        # Written in the background while the fit goes on; a save
-                        # that fails is warned about and the next one writes again.
-                        state = _slots.flush(state, window)
-                        store.save(done, state._asdict(), meta)
-                        tried = done
-                        schedule.saved()
-            except (jax.errors.JaxRuntimeError, ValueError) as err:
-                # Ctrl-C while a host callback runs (kernel_adjoint's Warp kernels)
-                # reaches here wrapped by XLA (a JaxRuntimeError, a ValueError through
-                # Equinox's jit), with the KeyboardInterrupt only in the text.
-                if not ("callback" in str(err) and "KeyboardInterrupt" in str(err)):
-                    raise
-                raise KeyboardInterrupt from err
-            if window is not None:
-                state = _slots.flush(state, window)
-            # The fit's end is saved unless its last update's save was tried already (a
-            # failure is a warning either way: the result returned holds every update).
-            if store is not None and done > 0:
-                store.wait()
-                if store.saved != done and tried != done:
-                    store.save(done, state._asdict(), meta)
-                    store.wait()
-        except KeyboardInterrupt:
-            if settled is not None:
-                state = _slots.flush(state, settled)
-            done = int(state.update)
-            how = "nothing saved (no checkpoint_dir)"
-            if done == 0:
-                how = "no update was done yet, nothing to save"
-            elif store is not None:
-                why = "see the warning above"
-                try:
-                    store.wait()  # the save under way, if any
-                    if store.saved != done and tried != done:
-                        store.save(done, state._asdict(), meta)
-                        store.wait()
-                except BaseException as e:  # noqa: BLE001 - a second Ctrl-C
-                    why = type(e).__name__
-                last = store.saved
-                how = (f"saved as step {done} in {self.checkpoint_dir}; run the same fit "
-                       f"again to resume (a larger steps= extends it)" if last == done else
-                       f"saving it failed ({why}); the last step saved is {last}"
-                       if last is not None else f"saving it failed ({why}); no step is saved")
-            _report.say(bar, f"gradsolve: fit interrupted after {done} updates; {how}")
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-            if store is not None:
-                store.close()
-        theta = _transforms.apply(self.transform, eqx.combine(state.u, static), "forward")
-        return FitResult.from_state(state, theta, self.engine, FitStatus,
-                                    resumed_from=resumed_from)
+        return _driver.run(self, theta0, steps, tol, grad_tol, progress, key, resume, slots)
 
     def profile(self, res, name, grid, steps=400, tol=None, grad_tol=None, progress=True,
                 slots=None):
@@ -550,30 +367,6 @@ class Calibrator:
                             jax.device_put(window.start), tol, grad_tol, cap,
                             jnp.asarray(n, jnp.int32), jnp.asarray(refill),
                             self._arrangement(mesh, window.y0.shape[0], batch))
-
-    def _updates_due(self, window, done, schedule, pace):
-        """How many updates the next call may run: as many as fit in CALL_SECONDS at
-        `pace` (seconds per update, None before the first) or before a save on a wall
-        time interval is due, up to the next update before which a running fit's
-        refresh or drift check is due (`_maybe_refresh` tests them per fit, before its
-        update) and the next save every so many updates (`schedule`: None without
-        checkpoints)."""
-        if pace is None:
-            n = 1  # the first call compiles: take the pace from the second
-        else:
-            left = None if schedule is None else schedule.seconds_left()
-            seconds = CALL_SECONDS if left is None else min(CALL_SECONDS, left)
-            n = int(np.clip(seconds / max(pace, 1e-9), 1, self._max_updates))
-        save_every = None if schedule is None or not isinstance(schedule.every, int) \
-            else schedule.every
-        steps = np.asarray(window.state.steps)[np.asarray(window.state.active)]
-        if window.state.mesh is not None:
-            for every in (self.refresh_every, self.drift_every):
-                if every is not None and steps.size:
-                    n = min(n, int((every - steps % every).min()))
-        if save_every is not None:
-            n = min(n, save_every - done % save_every)
-        return max(n, 1)
 
     def _arrangement(self, mesh, n, batch=None, cache=True):
         """Where `n` trajectories are replayed on `mesh` (`layout/`): made anew when the
@@ -618,39 +411,6 @@ class Calibrator:
             mesh=_mesh_arrays(mesh)))._replace(history=np.full((steps, S), np.nan, dtype),
                                                drift=np.full((steps, S), np.nan, dtype))
 
-    def _maybe_refresh(self, window, drift, static, K):
-        """Re-record where a running fit's own update count is due (`refresh_every`),
-        or its drift check (`drift_every`) finds its mesh stale: those fits take their
-        rows of a record of the slots at the current parameters; the others keep
-        theirs."""
-        ws = window.state
-        if ws.mesh is None or (self.refresh_every is None and self.drift_every is None):
-            return window
-        steps = np.asarray(ws.steps)
-        live = np.asarray(ws.active) & (steps > 0)
-
-        def every(n):
-            return live & (steps % n == 0) if n is not None else np.zeros_like(live)
-        due, check = every(self.refresh_every), every(self.drift_every)
-        if not (due | check).any():
-            return window
-        current = self._mesh(ws.mesh)
-        fresh, ok = self._record(ws.u, static, K, window.y0, current.columns)
-        if check.any():
-            change = self._drift(current, fresh, ws.u, static, K, window.y0)
-            drift[steps[check], window.start[check]] = change[check]
-            due = due | (check & (change > self.drift_tol))
-        if not due.any():
-            return window
-        failed = due & ~ok
-        return window._replace(state=ws._replace(
-            mesh=_slots.adopt(ws.mesh, fresh, due, K, self._growth),
-            refreshes=ws.refreshes + 1,
-            active=jax.device_put(np.asarray(ws.active) & ~failed),
-            status=jax.device_put(np.where(failed, FitStatus.RECORD_FAILED,
-                                           np.asarray(ws.status)).astype(np.int32))))
-
-
 def _all_shared(params) -> bool:
     """Whether every parameter is in a `gs.Shared` (and there is one)."""
     nodes = jax.tree.leaves(params, is_leaf=_is_shared)
@@ -665,15 +425,3 @@ def _resharing(params):
     def to_params(theta_b):
         return jax.tree.unflatten(treedef, [Shared(v) for v in treedef.flatten_up_to(theta_b)])
     return to_params
-
-
-def _strong(tree):
-    """`tree` with no weakly typed array (`jnp.full(B, 0.85)` is one): an update's
-    outputs are strongly typed, so a weak input would compile the update (and the
-    recorder, at the first refresh) twice, the second time at a fit's second update
-    -- or in the next `fit`."""
-    def strong(x):
-        return jax.device_put(np.asarray(x)) if getattr(x, "weak_type", False) else x
-    return jax.tree.map(strong, tree)
-
-

@@ -2,6 +2,7 @@
 optimizer, the shapes of data, theta0 and y0, and the state format; a mismatch names
 what changed."""
 
+import functools
 import hashlib
 import re
 
@@ -11,6 +12,7 @@ import numpy as np
 
 from .._version import __version__
 from ._checkpoint import CheckpointMismatch, checksum
+from ._state import STATE_FORMAT
 
 
 def abstract(tree):
@@ -62,3 +64,34 @@ def check_meta(expected, directory, found):
             f"the checkpoint does not match this fit ({diffs}{written_by}); resume with "
             f"the same setup, use another checkpoint_dir, or pass resume=False to start "
             f"over (deletes the checkpoints in {directory})")
+
+
+def of(cal, state, static, theta0, K, tol, grad_tol) -> dict:
+    """What a checkpoint of the Calibrator `cal`'s fit must match to be resumed: the settings, checksums of the
+    inputs, and hashes of the traced loss (f_jax, to_params, transform, loss, the
+    replay) and of the traced optimizer update (its kind and constants, such as
+    the learning rate). `steps` is not part of it: it is a cap."""
+    B = state.active.shape[0]
+    cfg, prob = cal.config, cal.problem
+    mesh = None
+    if state.mesh is not None:  # a fixed width: the hash must not depend on a record
+        mesh = cal._mesh(dict(jax.tree.map(abstract, state.mesh),
+                               h=jax.ShapeDtypeStruct((prob.n, 8), state.mesh["h"].dtype)))
+    losses = functools.partial(cal.objective.losses, static=static, K=K)
+    loss_jaxpr = jax.make_jaxpr(lambda u, m, d, y: losses(u, mesh=m, data=d, y0=y))(
+        abstract(state.u), mesh, abstract(cal.data), abstract(prob.y0))
+    opt_jaxpr = jax.make_jaxpr(jax.vmap(cal.optimizer.update))(
+        abstract(state.u), abstract(state.opt_state), abstract(state.u))
+    return {
+        "problem": prob.name, "t_span": [float(t) for t in prob.t_span],
+        "y0": checksum(prob.y0)[:16], "method": cfg.method, "rtol": cfg.rtol,
+        "atol": cfg.atol, "max_steps": cfg.max_steps, "engine": cal.engine,
+        "dt0": None if cfg.dt0 is None else checksum(np.asarray(cfg.dt0))[:16],
+        "ts": None if cfg.ts is None else [float(t) for t in cfg.ts],
+        "dtype": str(prob.y0.dtype), "B": int(B), "K": int(K),
+        "refresh_every": cal.refresh_every, "drift_every": cal.drift_every,
+        "drift_tol": cal.drift_tol, "tol": tol, "grad_tol": grad_tol,
+        "batch_size": cal.batch_size, "state_format": STATE_FORMAT,
+        "theta0": checksum(eqx.filter(theta0, eqx.is_array))[:16],
+        "data": checksum(cal.data)[:16],
+        "loss": jaxpr_hash(loss_jaxpr), "optimizer": jaxpr_hash(opt_jaxpr)}

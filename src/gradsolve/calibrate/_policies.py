@@ -1,0 +1,147 @@
+"""A fit's periodic behaviours, between calls of the compiled update loop.
+
+Each has one shape: built when the fit starts, `due(window, done)` -- how many
+updates the next call may run before the policy wants the host back (None: no
+bound) -- and `apply(...)` between calls. The driver (`_driver.run`) runs a call of
+as many updates as every policy allows (`updates_due`), then applies them:
+
+- `Refresh` (before a call): re-record a running fit's mesh when its own update count
+  reaches a multiple of `refresh_every`, or when the drift check every `drift_every`
+  finds its outputs moved more than `drift_tol`;
+- `Saves` (after a call): checkpoint cadence, every so many updates or a wall-time
+  interval (`_checkpoint.Schedule`), and the save at the fit's end or interruption.
+
+Two others have no host-side due: slot refill (`_slots.fill`, before every call) and
+minibatch draws (inside the compiled update, keyed by each fit's own update count).
+"""
+
+import jax
+import numpy as np
+
+from . import _slots
+from ._checkpoint import Schedule
+from ._state import FitStatus
+
+# The wall time a call of the compiled loop aims at: the host returns between calls to
+# refresh, save, report progress and take Ctrl-C, so a call runs as many updates as fit
+# in CALL_SECONDS by the last call's pace (at most MAX_UPDATES_PER_CALL), cut at the
+# next update where a refresh, drift check or counted save is due. Results do not
+# depend on it: every update, one per call or many, runs the same compiled body.
+CALL_SECONDS = 0.1
+
+
+def updates_due(policies, window, done, pace, max_updates, seconds_left=None):
+    """How many updates the next call may run: as many as fit in CALL_SECONDS at
+    `pace` (seconds per update, None before the first; 1 then, the call that compiles)
+    or in `seconds_left` (before a save on a wall-time interval), at most
+    `max_updates`, and no more than any policy's `due`."""
+    if pace is None:
+        n = 1
+    else:
+        seconds = CALL_SECONDS if seconds_left is None else min(CALL_SECONDS, seconds_left)
+        n = int(np.clip(seconds / max(pace, 1e-9), 1, max_updates))
+    for policy in policies:
+        due = policy.due(window, done)
+        if due is not None:
+            n = min(n, due)
+    return max(n, 1)
+
+
+class Refresh:
+    """Re-records of the running fits' meshes (`Calibrator`'s `refresh_every`,
+    `drift_every`, `drift_tol`), for fits of K trajectories with `static` the
+    non-array part of their unconstrained parameters."""
+
+    def __init__(self, cal, static, K):
+        self.cal, self.static, self.K = cal, static, K
+        self.periods = tuple(e for e in (cal.refresh_every, cal.drift_every) if e is not None)
+
+    def due(self, window, done):
+        """Updates until a running fit's refresh or drift check is due (`apply` tests
+        them per fit, before its update)."""
+        steps = np.asarray(window.state.steps)[np.asarray(window.state.active)]
+        if window.state.mesh is None or not steps.size or not self.periods:
+            return None
+        return min(int((every - steps % every).min()) for every in self.periods)
+
+    def apply(self, window, drift):
+        """The window with the due fits' mesh rows re-recorded at their current
+        parameters (the others keep theirs); fits whose record failed stop with
+        RECORD_FAILED. Drift checks write into `drift` (the state's, on the host)."""
+        cal, K = self.cal, self.K
+        ws = window.state
+        if ws.mesh is None or not self.periods:
+            return window
+        steps = np.asarray(ws.steps)
+        live = np.asarray(ws.active) & (steps > 0)
+
+        def every(n):
+            return live & (steps % n == 0) if n is not None else np.zeros_like(live)
+        due, check = every(cal.refresh_every), every(cal.drift_every)
+        if not (due | check).any():
+            return window
+        current = cal._mesh(ws.mesh)
+        fresh, ok = cal._record(ws.u, self.static, K, window.y0, current.columns)
+        if check.any():
+            change = self._drift(current, fresh, ws.u, window.y0)
+            drift[steps[check], window.start[check]] = change[check]
+            due = due | (check & (change > cal.drift_tol))
+        if not due.any():
+            return window
+        failed = due & ~ok
+        return window._replace(state=ws._replace(
+            mesh=_slots.adopt(ws.mesh, fresh, due, K, cal._growth),
+            refreshes=ws.refreshes + 1,
+            active=jax.device_put(np.asarray(ws.active) & ~failed),
+            status=jax.device_put(np.where(failed, FitStatus.RECORD_FAILED,
+                                           np.asarray(ws.status)).astype(np.int32))))
+
+    def _drift(self, mesh, fresh, u, y0):
+        """Per fit, the largest relative change of its replayed outputs from `mesh` to
+        `fresh`."""
+        cal, K = self.cal, self.K
+        theta = cal.objective.theta(u, self.static)
+        params, y0 = cal.objective.params(theta, K), cal.objective.y0(theta, y0)
+        old, new = (np.asarray(cal._replayed(
+            m, params, y0, cal._arrangement(m, y0.shape[0], cache=False))
+        ).reshape(y0.shape[0], -1) for m in (mesh, fresh))
+        change = np.linalg.norm(old - new, axis=1) / np.linalg.norm(new, axis=1)
+        return change.reshape(-1, K).max(axis=1)
+
+
+class Saves:
+    """Checkpoints of a fit to `store` (`_checkpoint.Checkpoints`) with `meta`, on
+    `checkpoint_every`'s cadence. Written in the background while the fit goes on; a
+    save that fails is warned about (by the store) and the next one writes again."""
+
+    def __init__(self, store, every, meta):
+        self.store, self.meta = store, meta
+        self.schedule = Schedule(every)
+        self.tried = None  # the last step this fit tried to save
+
+    def seconds_left(self):
+        return self.schedule.seconds_left()
+
+    def due(self, window, done):
+        every = self.schedule.every
+        return every - done % every if isinstance(every, int) else None
+
+    def apply(self, state, window, done):
+        """After a call: the state (with the window's fits written back) saved as step
+        `done` if a save is due."""
+        if not self.schedule.due(done):
+            return state
+        state = _slots.flush(state, window)
+        self.store.save(done, state._asdict(), self.meta)
+        self.tried = done
+        self.schedule.saved()
+        return state
+
+    def finish(self, state, done):
+        """At the end (or an interruption): step `done` saved unless its save was
+        tried already, and every save waited for (a failure is a warning either way:
+        the state in hand holds every update)."""
+        self.store.wait()  # the save under way, if any
+        if self.store.saved != done and self.tried != done:
+            self.store.save(done, state._asdict(), self.meta)
+            self.store.wait()
