@@ -19,8 +19,9 @@ INTEGRATED_R23 = ("its Warp kernels serve ts by an integrated step (rosenbrock23
 
 def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False, rtol=None, n=0,
       shared_module=False, interpolate=False):
-    return Request(gradient=gradient, stiff=stiff, d=d, method=method, fused=fused,
-                   jacobian=jacobian, rtol=rtol, n=n, shared_module=shared_module,
+    return Request(gradient=gradient, stiff=stiff, d=d, method=method,
+                   facts={"fused": fused, "jacobian": jacobian}, rtol=rtol, n=n,
+                   shared_module=shared_module,
                    interpolate=interpolate, ts=interpolate)
 
 

@@ -80,7 +80,7 @@ def route(request: Request, engine=None, refused=None) -> tuple[Engine, dict[str
         >>> eng, why = gs.route(Request(gradient=True, stiff=False, d=3, method="tsit5"))
         >>> eng.name, why["fused_replay"].startswith("f_jax has no fused form")
         ('general_replay', True)
-        >>> gs.route(Request(gradient=True, stiff=False, d=3, fused=True))[0].name
+        >>> gs.route(Request(gradient=True, stiff=False, d=3, facts={"fused": True}))[0].name
         'fused_replay'
     """
     if request.method is not None:
@@ -133,7 +133,7 @@ def request_for(prob, *, gradient: bool, method=None, rtol=None, mode="reverse",
         facts.update(describe(prob, fused))
     return Request(gradient=gradient, stiff=prob.stiff, d=prob.d, n=prob.n, method=method,
                    rtol=rtol, mode=mode,
-                   interpolate=None if interpolate is None else bool(interpolate), **facts,
+                   interpolate=None if interpolate is None else bool(interpolate), facts=facts,
                    ts=bool(ts), dtype=np.dtype(prob.y0.dtype).name,
                    shared_module=_holds_module(prob.params),
                    warp=None if fused is None else bool(fused),

@@ -37,12 +37,14 @@ def test_warp_runs_on_cuda_and_jax_reaches_it_through_pure_callback():
 def test_router_takes_the_gpu_table():
     # The fused kernels up to d = 64 on the GPU (8 on the CPU); the in-kernel adjoint
     # by name only there (not measured faster on a GPU yet).
-    engine, passed = gs.route(Request(gradient=True, stiff=False, d=3, n=4096, fused=True))
+    engine, passed = gs.route(Request(gradient=True, stiff=False, d=3, n=4096,
+                                      facts={"fused": True}))
     assert engine.name == "fused_replay"
     assert passed["kernel_adjoint"] == ("chosen by name only on the cuda device (not yet "
                                         "measured faster)")
-    assert gs.route(Request(gradient=False, stiff=False, d=64, fused=True))[0].name == "fused"
-    engine, passed = gs.route(Request(gradient=False, stiff=False, d=65, fused=True))
+    assert gs.route(Request(gradient=False, stiff=False, d=64,
+                            facts={"fused": True}))[0].name == "fused"
+    engine, passed = gs.route(Request(gradient=False, stiff=False, d=65, facts={"fused": True}))
     assert passed["fused"] == "d = 65 > 64: past the fused kernels' cutoff on the cuda device"
 
 

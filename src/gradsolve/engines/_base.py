@@ -50,8 +50,10 @@ class Request:
         stiff, d: the problem's stiffness flag and state dimension.
         n: the number of trajectories (0: not given).
         method: the method asked for, or None (each engine's default: `methods.default_for`).
-        fused: the field has a fused (Warp) form; `fused_why` says why not.
-        jacobian: that form carries a Jacobian (for the stiff fused kernel).
+        facts: what the engine families read off the problem (`Engine.describe`; the
+            Warp engines': `fused`, the field has a fused form, `fused_why` why not,
+            `jacobian`, that form carries a Jacobian), as `(name, value)` pairs
+            sorted by name (a dict is taken too); `fact(name)` reads one.
         rtol: the relative tolerance asked for.
         mode: `"reverse"` or `"forward"` (gradients).
         interpolate: `ts` served from a continuous extension (True), by an integrated
@@ -69,10 +71,8 @@ class Request:
     d: int
     n: int = 0
     method: str | None = None
-    fused: bool = False
-    jacobian: bool = False
+    facts: tuple = ()
     rtol: float | None = None
-    fused_why: str | None = None
     mode: str = "reverse"
     interpolate: bool | None = None
     ts: bool = False
@@ -80,6 +80,14 @@ class Request:
     shared_module: bool = False
     warp: bool | None = None
     devices: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.facts, dict):  # hashable, in one order
+            object.__setattr__(self, "facts", tuple(sorted(self.facts.items())))
+
+    def fact(self, name: str, default=None):
+        """The engine families' fact `name` (`facts`), or `default` if none gave it."""
+        return dict(self.facts).get(name, default)
 
     @property
     def task(self) -> str:
@@ -131,7 +139,7 @@ class Engine(eqx.Module):
 
     @staticmethod
     def describe(prob, fused) -> dict:
-        """The `Request` fields this engine family reads off `prob` (`fused`: the
+        """The `Request.facts` this engine family reads off `prob` (`fused`: the
         caller's setting); the router merges every family's."""
         return {}
 

@@ -37,8 +37,8 @@ def warp_refusal(request: Request) -> str | None:
     """Why no Warp engine may run `request` (before its method is known), or None."""
     if request.warp is False:
         return "fused=False keeps the request off the Warp engines"
-    if not request.fused:
-        return request.fused_why or NOT_FUSED
+    if not request.fact("fused", False):
+        return request.fact("fused_why") or NOT_FUSED
     if request.dtype not in WARP_DTYPES:
         return f"the fused kernels run {WARP_DTYPES}, not {request.dtype}"
     device = _runtime.device()
@@ -78,7 +78,7 @@ class FusedEngine(Engine):
 
     def refuses_method(self, method, request):
         why = super().refuses_method(method, request)
-        if why is None and method == "rosenbrock23" and not request.jacobian:
+        if why is None and method == "rosenbrock23" and not request.fact("jacobian", False):
             return "the field has no hand-written Jacobian for the stiff fused kernel"
         return why
 
