@@ -18,6 +18,11 @@ loss history lives on the host. A refreshed mesh keeps the compiled width while 
 steps fit, and one that outgrows it is widened (a network's field's to twice its
 steps from the first record on, replayed guarded: `mesh.grown_width`), so a fit
 compiles its update once per width it meets, and meets few.
+
+This module holds the Calibrator's settings and its records; the rest is in small
+parts: the pure objective and update (`_objective`), the fit loop (`_driver`), its
+periodic behaviours (`_policies`), the slot scheduler (`_slots`), input checks
+(`_validate`), the checkpoint fingerprint (`_fingerprint`) and profiles (`_profile`).
 """
 
 import equinox as eqx
