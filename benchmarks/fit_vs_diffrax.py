@@ -17,6 +17,7 @@ Diffrax gradients (`engine="diffrax"`, or Kvaerno5 for Robertson), on the recipe
 """
 
 import time
+from unittest import mock
 
 _T_START = time.perf_counter()  # a compile worker reports its imports' time from here
 
@@ -34,7 +35,6 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import gradsolve as gs  # noqa: E402
-from gradsolve.calibrate import _policies  # noqa: E402
 
 sys.path.append(str(ROOT / "recipes"))
 import galactic_halo  # noqa: E402
@@ -191,15 +191,14 @@ def compile_worker(side, n2, refresh):
 
 
 def refresh_fit(prob, count, theta0, B=8, K=4, q_low=0.55, every=10, steps=40):
-    """A fit from q = 0.85 to data made at q = 0.55, refreshing the mesh every 10
-    updates: the mesh lengthens and a refresh outgrows the padded width. The
-    Calibrator's private per-update hooks are wrapped (instrumentation only)."""
+    """A fit from q = 0.85 to data made at q = 0.55, refreshing every 10 updates: the
+    mesh lengthens and outgrows its width. Private hooks wrapped (instrumentation)."""
     ys = gs.solve(prob.replace(params=dict(prob.params, q=jnp.full(prob.n, q_low))),
                   rtol=1e-10, atol=1e-12, ts=galactic_halo.TS).raise_for_status().ys
     _, _, _, cals = calibrators("galactic", B, ys[..., :3].reshape(B, K, -1, 3), every,
                                 sides=("replay",))
     cal, rows, pending = cals["replay"], [], {}
-    refresh, step = _policies.Refresh.apply, cal._step
+    refresh, step = gs.calibrate._policies.Refresh.apply, cal._step  # (wrapped below)
     width = lambda window: int(window.state.mesh["h"].shape[1])
 
     def maybe_refresh(policy, window, *a):
@@ -213,11 +212,9 @@ def refresh_fit(prob, count, theta0, B=8, K=4, q_low=0.55, every=10, steps=40):
         rows.append(dict(pending, call=len(rows) + 1, updates=int(new[1]), step=r))
         pending.clear()
         return new
-    _policies.Refresh.apply, cal._step = maybe_refresh, timed_step
-    try:
+    cal._step = timed_step
+    with mock.patch.object(gs.calibrate._policies.Refresh, "apply", maybe_refresh):
         timed_fit(cal, theta0, steps)
-    finally:
-        _policies.Refresh.apply = refresh
     refreshes = [r for r in rows if r.get("refreshed")]
     warm_s = [r["step"]["s"] / r["updates"] for r in rows if not (r.get("refreshed") or
                                                                    r["step"]["compilations"])]
