@@ -39,16 +39,15 @@ def test_zero_padding_changes_nothing_bit_for_bit(lorenz):
     jax.tree.map(np.testing.assert_array_equal, g, g_wide)
 
 
-
 def test_guarded_padding_is_skipped_and_changes_nothing(lorenz):
     # A guarded mesh (a Calibrator's of a network's field, padded with headroom) runs
     # its columns from `guarded_from` on behind a branch that skips the ones past
-    # every trajectory's steps: the same outputs and gradients as replaying every zero
-    # column, on the replay itself (`_replay`, not trimmed to the steps by an
-    # arrangement), with every step
-    # in the plain columns and with steps in the guarded ones. Measured: bit for bit
-    # with every step plain; with steps guarded, within 2.7e-15 of each leaf's
-    # largest entry (XLA fuses a branch's arithmetic differently); bound 3e-14.
+    # every trajectory's steps: the same outputs and gradients as the plain replay,
+    # on the replay itself (`_replay`, not trimmed to the steps by an arrangement),
+    # with every step in the plain columns and with steps in the guarded ones.
+    # Measured: bit for bit with every step plain; with steps guarded, within 2.7e-15
+    # of each leaf's largest entry (XLA fuses a branch's arithmetic differently);
+    # bound 3e-14. Six compiles (17 s with a plain reference per width, 11 s so).
     from gradsolve import methods
     from gradsolve.mesh import guarded_from
     from gradsolve.replay import _replay
@@ -57,15 +56,17 @@ def test_guarded_padding_is_skipped_and_changes_nothing(lorenz):
     tsit5, ts = methods.get("tsit5"), jnp.array([0.0, 0.3, 0.77, 1.0])
     plain_steps, guarded_steps = 2 * mesh.columns + 3, steps + 1  # two widths
     assert guarded_from(plain_steps) >= steps > guarded_from(guarded_steps)
-    for width in (plain_steps, guarded_steps):
-        wide = mesh.padded(width)
-        guarded = dataclasses.replace(wide, guarded=True)
-        for ts_, interpolate in ((None, False), (ts, True)):  # the replay's two scans
-            def loss(p, m):
-                return jnp.sum(_replay(prob.f_jax, tsit5, m, p, prob.y0, ts_, False,
-                                       interpolate) ** 2)
-            vg = jax.jit(jax.value_and_grad(loss))  # a compile per mesh (guarded: static)
-            for a, b in zip(vg(prob.params, wide), vg(prob.params, guarded)):
+    for ts_, interpolate in ((None, False), (ts, True)):  # the replay's two scans
+        def loss(p, m):
+            return jnp.sum(_replay(prob.f_jax, tsit5, m, p, prob.y0, ts_, False,
+                                   interpolate) ** 2)
+        vg = jax.jit(jax.value_and_grad(loss))  # a compile per mesh (guarded: static)
+        # The reference: every column plain, at the mesh's own width (zero columns
+        # change nothing, bit for bit: test_zero_padding_changes_nothing_bit_for_bit).
+        ref = vg(prob.params, mesh)
+        for width in (plain_steps, guarded_steps):
+            guarded = dataclasses.replace(mesh.padded(width), guarded=True)
+            for a, b in zip(ref, vg(prob.params, guarded)):
                 for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
                     assert rel_err(y, x) < 3e-14, (width, interpolate, rel_err(y, x))
 
