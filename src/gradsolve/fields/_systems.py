@@ -2,7 +2,21 @@
 spread one physical parameter (or the initial state) evenly over a stated range, so
 an ensemble is deterministic without a random key. `dtype=None` is JAX's default
 float: float64 with `jax_enable_x64`, float32 without.
+
+Beside each right-hand side `<name>_f` is its hand-written fused form, Warp source
+text (`<NAME>_WARP`: `field`, and `jac` for the stiff ones), listed in `WARP_FORMS`;
+`warp/_registry.py` compiles it into the fused kernels (this module imports no Warp).
+The source's signatures are fixed:
+
+    field(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> V
+    jac(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> M
+
+with `p[i, k]` trajectory i's parameter `columns[k]`, `s` the shared parameter
+`shared` flattened, `T`, `V`, `M` the float, vector and matrix types and `{d}` the
+state dimension.
 """
+
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +48,14 @@ def lorenz_f(t, y, p):
     return jnp.stack([p["sigma"] * (u - x), x * (p["rho"] - z) - u, x * u - p["beta"] * z])
 
 
+LORENZ_WARP = """
+@wp.func
+def field(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> V:
+    return V(p[i, 0] * (y[1] - y[0]), y[0] * (p[i, 1] - y[2]) - y[1],
+             y[0] * y[1] - p[i, 2] * y[2])
+"""
+
+
 def lorenz(n=8, *, rho=(10.0, 20.0), sigma=10.0, beta=8.0 / 3.0, t_span=(0.0, 1.0),
            y0=(1.0, 0.0, 0.0), dtype=None):
     """Lorenz ensemble; `rho` spread over `rho` (below the chaotic regime by default).
@@ -54,6 +76,13 @@ def van_der_pol_f(t, y, p):
     return jnp.stack([y[1], p["mu"] * (1 - y[0] ** 2) * y[1] - y[0]])
 
 
+VAN_DER_POL_WARP = """
+@wp.func
+def field(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> V:
+    return V(y[1], p[i, 0] * (T(1.0) - y[0] * y[0]) * y[1] - y[0])
+"""
+
+
 def van_der_pol(n=8, *, mu=(0.5, 2.0), t_span=(0.0, 5.0), y0=(2.0, 0.0),
                 dtype=None):
     """Van der Pol oscillator (non-stiff range of `mu` by default)."""
@@ -64,6 +93,17 @@ def van_der_pol(n=8, *, mu=(0.5, 2.0), t_span=(0.0, 5.0), y0=(2.0, 0.0),
 
 def lorenz96_f(t, y, p):
     return (jnp.roll(y, -1) - jnp.roll(y, 2)) * jnp.roll(y, 1) - y + p["F"]
+
+
+LORENZ96_WARP = """
+@wp.func
+def field(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> V:
+    out = V()
+    for k in range({d}):
+        out[k] = (y[(k + 1) % {d}] - y[(k + {d} - 2) % {d}]) * y[(k + {d} - 1) % {d}] \\
+            - y[k] + p[i, 0]
+    return out
+"""
 
 
 def lorenz96(n=8, *, d=8, forcing=(7.5, 8.5), t_span=(0.0, 1.0), dtype=None):
@@ -77,6 +117,27 @@ def lorenz96(n=8, *, d=8, forcing=(7.5, 8.5), t_span=(0.0, 1.0), dtype=None):
 
 def linear_f(t, y, p):
     return p["lam"] * (p["A"] @ y)
+
+
+LINEAR_WARP = """
+@wp.func
+def field(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> V:
+    out = V()
+    for r in range({d}):
+        acc = T(0.0)
+        for c in range({d}):
+            acc = acc + s[r * {d} + c] * y[c]
+        out[r] = p[i, 0] * acc
+    return out
+
+@wp.func
+def jac(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> M:
+    out = M()
+    for r in range({d}):
+        for c in range({d}):
+            out[r, c] = p[i, 0] * s[r * {d} + c]
+    return out
+"""
 
 
 def _linear_problem(A, n, lam, t_span, seed, dtype, stiff, name):
@@ -125,6 +186,26 @@ def robertson_f(t, y, p):
     return jnp.stack([-r1 + r3, r1 - r2 - r3, r2])
 
 
+ROBERTSON_WARP = """
+@wp.func
+def field(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> V:
+    r1 = p[i, 0] * y[0]
+    r2 = p[i, 1] * y[1] * y[1]
+    r3 = p[i, 2] * y[1] * y[2]
+    return V(-r1 + r3, r1 - r2 - r3, r2)
+
+
+@wp.func
+def jac(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> M:
+    k1 = p[i, 0]
+    k2 = p[i, 1]
+    k3 = p[i, 2]
+    return M(-k1, k3 * y[2], k3 * y[1],
+             k1, -T(2.0) * k2 * y[1] - k3 * y[2], -k3 * y[1],
+             T(0.0), T(2.0) * k2 * y[1], T(0.0))
+"""
+
+
 def robertson(n=8, *, k1=(0.03, 0.05), k2=3e7, k3=(0.8e4, 1.2e4), t_span=(0.0, 100.0),
               dtype=None):
     """Robertson's stiff kinetics; rates `k1` and `k3` spread, `k2` fixed."""
@@ -147,6 +228,54 @@ def hires_f(t, y, p):
         r - 1.81 * y7,
         -r + 1.81 * y7,
     ])
+
+
+HIRES_WARP = """
+@wp.func
+def field(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> V:
+    r = T(280.0) * y[5] * y[7]
+    out = V()
+    out[0] = -T(1.71) * y[0] + T(0.43) * y[1] + T(8.32) * y[2] + T(0.0007)
+    out[1] = T(1.71) * y[0] - T(8.75) * y[1]
+    out[2] = -T(10.03) * y[2] + T(0.43) * y[3] + T(0.035) * y[4]
+    out[3] = T(8.32) * y[1] + T(1.71) * y[2] - T(1.12) * y[3]
+    out[4] = -T(1.745) * y[4] + T(0.43) * y[5] + T(0.43) * y[6]
+    out[5] = -r + T(0.69) * y[3] + T(1.71) * y[4] - T(0.43) * y[5] + T(0.69) * y[6]
+    out[6] = r - T(1.81) * y[6]
+    out[7] = -r + T(1.81) * y[6]
+    return out
+
+
+@wp.func
+def jac(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> M:
+    J = M()
+    J[0, 0] = -T(1.71)
+    J[0, 1] = T(0.43)
+    J[0, 2] = T(8.32)
+    J[1, 0] = T(1.71)
+    J[1, 1] = -T(8.75)
+    J[2, 2] = -T(10.03)
+    J[2, 3] = T(0.43)
+    J[2, 4] = T(0.035)
+    J[3, 1] = T(8.32)
+    J[3, 2] = T(1.71)
+    J[3, 3] = -T(1.12)
+    J[4, 4] = -T(1.745)
+    J[4, 5] = T(0.43)
+    J[4, 6] = T(0.43)
+    J[5, 3] = T(0.69)
+    J[5, 4] = T(1.71)
+    J[5, 5] = -T(0.43) - T(280.0) * y[7]
+    J[5, 6] = T(0.69)
+    J[5, 7] = -T(280.0) * y[5]
+    J[6, 5] = T(280.0) * y[7]
+    J[6, 6] = -T(1.81)
+    J[6, 7] = T(280.0) * y[5]
+    J[7, 5] = -T(280.0) * y[7]
+    J[7, 6] = T(1.81)
+    J[7, 7] = -T(280.0) * y[5]
+    return J
+"""
 
 
 def hires(n=8, *, y1=(0.9, 1.1), t_span=(0.0, 321.8122), dtype=None):
@@ -178,3 +307,24 @@ def galactic_halo(n=8, *, q=(0.7, 0.95), v_c=1.0, r_c=0.1, t_span=(0.0, 10.0),
               "r_c": Shared(jnp.asarray(r_c, dtype))}
     return EnsembleProblem(f_jax=galactic_halo_f, y0=jnp.asarray(y0, dtype),
                            params=params, t_span=t_span, name="galactic_halo")
+
+
+class WarpForm(NamedTuple):
+    """A right-hand side's hand-written fused form (see the module docstring)."""
+
+    name: str
+    source: str  # Warp source, `{d}` the state dimension
+    columns: tuple[str, ...]  # the per-trajectory parameters, in `p[i, k]` order
+    shared: str | None = None  # the `gs.Shared` parameter read as `s`
+    stiff: bool = False  # `source` defines `jac`
+    d: int | None = None  # the one state dimension it is written for (None: any)
+
+
+WARP_FORMS = {
+    lorenz_f: WarpForm("lorenz", LORENZ_WARP, ("sigma", "rho", "beta"), d=3),
+    van_der_pol_f: WarpForm("van_der_pol", VAN_DER_POL_WARP, ("mu",), d=2),
+    lorenz96_f: WarpForm("lorenz96", LORENZ96_WARP, ("F",)),
+    linear_f: WarpForm("linear", LINEAR_WARP, ("lam",), shared="A", stiff=True),
+    robertson_f: WarpForm("robertson", ROBERTSON_WARP, ("k1", "k2", "k3"), stiff=True, d=3),
+    hires_f: WarpForm("hires", HIRES_WARP, (), stiff=True, d=8),
+}

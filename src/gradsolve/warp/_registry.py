@@ -1,7 +1,8 @@
-"""Hand-written fused (Warp) forms of the registered fields, with Jacobians for the
-stiff ones.
+"""The fused (Warp) forms of the registered fields: the built-in systems' hand-written
+ones (their Warp source beside their JAX form, in `fields/_systems.py`, with
+Jacobians for the stiff ones) and the translations of `register_field`.
 
-Each field is Warp source text for two `@wp.func`s with fixed signatures, templated
+A fused form is Warp source text for two `@wp.func`s with fixed signatures, templated
 on the state dimension `d` and the float type, plus a packer that lays the problem's
 parameters out for the kernel:
 
@@ -10,8 +11,8 @@ parameters out for the kernel:
 
 `p[i, k]` are trajectory i's parameters, `s` the shared ones (flattened), `V` the
 length-d vector type and `M` the d x d matrix type. The registry maps each field's
-JAX right-hand side (the function object in `_systems.py`) to its fused form: a
-problem whose `f_jax` is a registered function can take the fused engines.
+JAX right-hand side (the function object) to its fused form: a problem whose `f_jax`
+is a registered function can take the fused engines.
 """
 
 import dataclasses
@@ -65,143 +66,20 @@ def _no_shared():
     return np.zeros(1)
 
 
-_LORENZ = """
-@wp.func
-def field(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> V:
-    return V(p[i, 0] * (y[1] - y[0]), y[0] * (p[i, 1] - y[2]) - y[1],
-             y[0] * y[1] - p[i, 2] * y[2])
-"""
-
-_VAN_DER_POL = """
-@wp.func
-def field(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> V:
-    return V(y[1], p[i, 0] * (T(1.0) - y[0] * y[0]) * y[1] - y[0])
-"""
-
-_LORENZ96 = """
-@wp.func
-def field(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> V:
-    out = V()
-    for k in range({d}):
-        out[k] = (y[(k + 1) % {d}] - y[(k + {d} - 2) % {d}]) * y[(k + {d} - 1) % {d}] \\
-            - y[k] + p[i, 0]
-    return out
-"""
-
-_LINEAR = """
-@wp.func
-def field(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> V:
-    out = V()
-    for r in range({d}):
-        acc = T(0.0)
-        for c in range({d}):
-            acc = acc + s[r * {d} + c] * y[c]
-        out[r] = p[i, 0] * acc
-    return out
-"""
-
-_LINEAR_JAC = """
-@wp.func
-def jac(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> M:
-    out = M()
-    for r in range({d}):
-        for c in range({d}):
-            out[r, c] = p[i, 0] * s[r * {d} + c]
-    return out
-"""
-
-_ROBERTSON = """
-@wp.func
-def field(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> V:
-    r1 = p[i, 0] * y[0]
-    r2 = p[i, 1] * y[1] * y[1]
-    r3 = p[i, 2] * y[1] * y[2]
-    return V(-r1 + r3, r1 - r2 - r3, r2)
+def _hand_written(form: _systems.WarpForm) -> FusedField:
+    """The `FusedField` of a built-in system's hand-written Warp form."""
+    def pack(params, n):
+        P = _columns(params, form.columns, n) if form.columns else np.zeros((n, 1))
+        S = (np.asarray(params[form.shared].value, np.float64).ravel() if form.shared
+             else _no_shared())
+        return P, S
+    return FusedField(form.name, lambda d: form.source.format(d=d), pack, stiff=form.stiff,
+                      d=form.d)
 
 
-@wp.func
-def jac(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> M:
-    k1 = p[i, 0]
-    k2 = p[i, 1]
-    k3 = p[i, 2]
-    return M(-k1, k3 * y[2], k3 * y[1],
-             k1, -T(2.0) * k2 * y[1] - k3 * y[2], -k3 * y[1],
-             T(0.0), T(2.0) * k2 * y[1], T(0.0))
-"""
-
-_HIRES = """
-@wp.func
-def field(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> V:
-    r = T(280.0) * y[5] * y[7]
-    out = V()
-    out[0] = -T(1.71) * y[0] + T(0.43) * y[1] + T(8.32) * y[2] + T(0.0007)
-    out[1] = T(1.71) * y[0] - T(8.75) * y[1]
-    out[2] = -T(10.03) * y[2] + T(0.43) * y[3] + T(0.035) * y[4]
-    out[3] = T(8.32) * y[1] + T(1.71) * y[2] - T(1.12) * y[3]
-    out[4] = -T(1.745) * y[4] + T(0.43) * y[5] + T(0.43) * y[6]
-    out[5] = -r + T(0.69) * y[3] + T(1.71) * y[4] - T(0.43) * y[5] + T(0.69) * y[6]
-    out[6] = r - T(1.81) * y[6]
-    out[7] = -r + T(1.81) * y[6]
-    return out
-
-
-@wp.func
-def jac(t: T, y: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> M:
-    J = M()
-    J[0, 0] = -T(1.71)
-    J[0, 1] = T(0.43)
-    J[0, 2] = T(8.32)
-    J[1, 0] = T(1.71)
-    J[1, 1] = -T(8.75)
-    J[2, 2] = -T(10.03)
-    J[2, 3] = T(0.43)
-    J[2, 4] = T(0.035)
-    J[3, 1] = T(8.32)
-    J[3, 2] = T(1.71)
-    J[3, 3] = -T(1.12)
-    J[4, 4] = -T(1.745)
-    J[4, 5] = T(0.43)
-    J[4, 6] = T(0.43)
-    J[5, 3] = T(0.69)
-    J[5, 4] = T(1.71)
-    J[5, 5] = -T(0.43) - T(280.0) * y[7]
-    J[5, 6] = T(0.69)
-    J[5, 7] = -T(280.0) * y[5]
-    J[6, 5] = T(280.0) * y[7]
-    J[6, 6] = -T(1.81)
-    J[6, 7] = T(280.0) * y[5]
-    J[7, 5] = -T(280.0) * y[7]
-    J[7, 6] = T(1.81)
-    J[7, 7] = -T(280.0) * y[5]
-    return J
-"""
-
-
-def _linear_pack(params, n):
-    A = np.asarray(params["A"].value, np.float64).ravel()
-    return _columns(params, ["lam"], n), A
-
-
+# The built-in systems' fused forms, from the Warp source beside each JAX form.
 REGISTRY: dict[Callable, FusedField] = {
-    _systems.lorenz_f: FusedField(
-        "lorenz", lambda d: _LORENZ,
-        lambda p, n: (_columns(p, ["sigma", "rho", "beta"], n), _no_shared()), d=3),
-    _systems.van_der_pol_f: FusedField(
-        "van_der_pol", lambda d: _VAN_DER_POL,
-        lambda p, n: (_columns(p, ["mu"], n), _no_shared()), d=2),
-    _systems.lorenz96_f: FusedField(
-        "lorenz96", lambda d: _LORENZ96.format(d=d),
-        lambda p, n: (_columns(p, ["F"], n), _no_shared())),
-    _systems.linear_f: FusedField(
-        "linear", lambda d: _LINEAR.format(d=d) + _LINEAR_JAC.format(d=d), _linear_pack,
-        stiff=True),
-    _systems.robertson_f: FusedField(
-        "robertson", lambda d: _ROBERTSON,
-        lambda p, n: (_columns(p, ["k1", "k2", "k3"], n), _no_shared()), stiff=True, d=3),
-    _systems.hires_f: FusedField(
-        "hires", lambda d: _HIRES, lambda p, n: (np.zeros((n, 1)), _no_shared()),
-        stiff=True, d=8),
-}
+    f: _hand_written(form) for f, form in _systems.WARP_FORMS.items()}
 
 
 # Right-hand sides registered with `register_field`: f_jax -> (name, stiff).
