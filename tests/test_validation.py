@@ -165,17 +165,20 @@ def test_loss_must_return_a_scalar_per_fit():
         cal.fit({"k": jnp.ones(2)}, steps=2, progress=False)
 
 
-def test_optimizer_needing_value_or_grad_is_refused_by_name():
-    # optax.lbfgs's line search needs value, grad and value_fn in update(): it used to
-    # fail with a raw TypeError from update_fn once the update was being traced.
-    with pytest.raises(TypeError, match=r"optimizer\.update needs the extra arguments "
-                                        r"\['grad', 'value', 'value_fn'\].*not yet supported"):
-        _rates(optimizer=optax.lbfgs()).fit({"k": jnp.ones(2)}, steps=2, progress=False)
-    # Extra-args transformations that need none of them stay accepted.
+def test_optimizer_that_fails_is_named_before_compiling():
+    # optax.lbfgs takes optax's extra arguments (value, grad, value_fn): accepted, as
+    # are the transformations that take none; an update that fails is named with the
+    # parameters it was given (it used to fail as a raw TypeError inside the update's
+    # trace).
     u_b = {"k": jax.ShapeDtypeStruct((), jnp.float64)}
-    for ok in (optax.chain(optax.clip(1.0), optax.adam(0.1)),
+    for ok in (optax.lbfgs(), optax.chain(optax.clip(1.0), optax.adam(0.1)),
                optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), optax.adam(0.1)):
         _validate.check_optimizer(ok, u_b)
+    broken = optax.GradientTransformation(lambda u: (), lambda g, s, u=None: g["missing"])
+    with pytest.raises(TypeError, match=re.escape(
+            "optimizer.init/update failed on fit 0's parameters {\"['k']\": 'float64[]'}: "
+            "KeyError")):
+        _rates(optimizer=broken).fit({"k": jnp.ones(2)}, steps=2, progress=False)
 
 
 def _result(k):

@@ -98,9 +98,10 @@ class Calibrator:
             its first index. Missing measurements: fill them with any finite value and
             weight them out in the loss with a mask leaf of `data`.
         optimizer: an `optax.GradientTransformation` (default `optax.adam(1e-2)`), run
-            per fit under `vmap`. One whose `update` needs optax's extra arguments
-            (`value`, `grad`, `value_fn`: `optax.lbfgs`) is not yet supported: refused
-            by name when `fit` starts.
+            per fit under `vmap`. One whose `update` takes optax's extra arguments
+            gets them per fit: `value` and `grad` (the fit's loss and gradient) and
+            `value_fn`, the fit's loss as a function of its parameters on its own
+            rows of the same mesh (`optax.lbfgs`'s line search).
         transform: parameter transforms (`gs.transforms.Positive()`, `Bounded(lo,
             hi)`), one for all leaves or a pytree matching `theta0`; None: identity.
         rtol, atol, method, ts, max_steps, dt0: the record's and replay's settings.

@@ -9,6 +9,7 @@ import re
 import equinox as eqx
 import jax
 import numpy as np
+import optax
 
 from .._version import __version__
 from ._checkpoint import CheckpointMismatch, checksum
@@ -80,7 +81,11 @@ def of(cal, state, static, theta0, K, tol, grad_tol) -> dict:
     losses = functools.partial(cal.objective.losses, static=static, K=K)
     loss_jaxpr = jax.make_jaxpr(lambda u, m, d, y: losses(u, mesh=m, data=d, y0=y))(
         abstract(state.u), mesh, abstract(cal.data), abstract(prob.y0))
-    opt_jaxpr = jax.make_jaxpr(jax.vmap(cal.optimizer.update))(
+    # With optax's extra arguments, as the update passes them (`_objective.make_update`):
+    # a transformation that ignores them traces as without them.
+    extra_args = optax.with_extra_args_support(cal.optimizer)
+    opt_jaxpr = jax.make_jaxpr(jax.vmap(lambda g, s, u: extra_args.update(
+        g, s, u, value=0.0, grad=g, value_fn=optax.tree.norm)))(
         abstract(state.u), abstract(state.opt_state), abstract(state.u))
     return {
         "problem": prob.name, "t_span": [float(t) for t in prob.t_span],

@@ -121,7 +121,7 @@ def _where(mask, new, old):
 
 
 def make_update(objective: Objective, optimizer):
-    """One first-order step of every slot's fit: `update(state, static, mesh, data, y0,
+    """One optimizer step of every slot's fit: `update(state, static, mesh, data, y0,
     start, tol, grad_tol, cap, arr=None) -> state`.
 
     A fit moves when it is active, its loss and gradient are finite and it has not
@@ -130,7 +130,13 @@ def make_update(objective: Objective, optimizer):
     and the mesh width only, not on the number of steps. Nothing couples two fits: a
     fit's update depends on its own start index, steps, parameters, trajectories and
     data only -- which makes a start's result the same in whichever slot, beside
-    whichever others."""
+    whichever others.
+
+    Transformations that take optax's extra arguments get them per fit (`value`,
+    `grad`, `value_fn`: `optax.lbfgs`'s line search evaluates its trial points on the
+    fit's own rows of the same mesh); the others ignore them
+    (`optax.with_extra_args_support`)."""
+    extra_args = optax.with_extra_args_support(optimizer)
 
     def update(state: FitState, static, mesh, data, y0, start, tol, grad_tol, cap,
                arr=None):
@@ -152,7 +158,23 @@ def make_update(objective: Objective, optimizer):
         if grad_tol is not None:
             converged = converged | (grad_norm <= grad_tol)
         move = state.active & finite & ~converged
-        updates, opt_state = jax.vmap(optimizer.update)(grads, state.opt_state, state.u)
+
+        def step(g, s, u_b, value, b):
+            """Fit b's optimizer step, with optax's extra arguments: its loss, its
+            gradient and `value_fn`, its loss as a function of its own parameters on
+            its rows of the mesh (a line search's trial points: `optax.lbfgs`)."""
+            at = b * K + jnp.arange(K)
+
+            def value_fn(u_trial):
+                one = lambda x: x[b][None] if eqx.is_array(x) else x
+                return objective.losses(
+                    jax.tree.map(lambda x: x[None], u_trial), static,
+                    None if mesh is None else mesh.take(at),
+                    None if data is None else jax.tree.map(one, data), y0[at], K,
+                    None if rows is None else rows[b][None])[0]
+            return extra_args.update(g, s, u_b, value=value, grad=g, value_fn=value_fn)
+        updates, opt_state = jax.vmap(step)(grads, state.opt_state, state.u, losses,
+                                            jnp.arange(B))
         u = _where(move, optax.apply_updates(state.u, updates), state.u)
         opt_state = _where(move, opt_state, state.opt_state)
         steps = state.steps + move

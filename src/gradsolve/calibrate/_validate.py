@@ -5,6 +5,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from ..problem import _is_shared as is_shared, unwrap_shared
 from . import _fingerprint, _transforms
@@ -50,38 +51,22 @@ def check_theta_dtype(theta0, dtype, how):
 def check_optimizer(optimizer, u_b):
     """`optimizer.init(u)` and `optimizer.update(grads, state, u)` of one fit, traced
     abstractly (`u_b`: its unconstrained parameters, as `jax.ShapeDtypeStruct`s), as
-    the update calls them. A transformation whose update needs optax's extra arguments
-    (`value`, `grad`, `value_fn`: `optax.lbfgs`'s line search) is refused by name."""
-    def trial(**extra):
-        def one(u):
-            kw = {k: v(u) for k, v in extra.items()}
-            return optimizer.update(u, optimizer.init(u), u, **kw)
-        return jax.eval_shape(one, u_b)
+    the update calls them: with optax's extra arguments (`value`, `grad`, `value_fn`:
+    `optax.lbfgs`'s line search), which transformations that take none ignore
+    (`optax.with_extra_args_support`). A failure is raised naming the parameters."""
+    extra_args = optax.with_extra_args_support(optimizer)
 
     def value(u):
         return sum(jnp.sum(x) for x in jax.tree.leaves(u))
-    extra = {"value": value, "grad": lambda u: u, "value_fn": lambda u: value}
+
+    def one(u):
+        return extra_args.update(u, optimizer.init(u), u, value=value(u), grad=u,
+                                 value_fn=value)
     try:
-        trial()
-        return
-    except Exception as e:  # noqa: BLE001 - named below, or re-raised with the inputs
-        error = e
-    try:
-        trial(**extra)
-    except Exception:  # noqa: BLE001 - not for want of the extra arguments
+        jax.eval_shape(one, u_b)
+    except Exception as e:  # noqa: BLE001 - re-raised with the inputs named
         raise TypeError(f"optimizer.init/update failed on fit 0's parameters "
-                        f"{_fingerprint.array_shapes(u_b)}: {type(error).__name__}: {error}") from error
-    needed = []
-    for name in sorted(extra):
-        try:
-            trial(**{k: v for k, v in extra.items() if k != name})
-        except Exception:  # noqa: BLE001 - this one is needed
-            needed.append(name)
-    raise TypeError(
-        f"optimizer.update needs the extra arguments {needed or sorted(extra)} (an "
-        f"optax.GradientTransformationExtraArgs such as optax.lbfgs's line search): not "
-        f"yet supported by the Calibrator, which calls update(grads, state, params); use a "
-        f"first-order transformation (optax.adam, optax.sgd, or an optax.chain of them)")
+                        f"{_fingerprint.array_shapes(u_b)}: {type(e).__name__}: {e}") from e
 
 
 def check_grid(transform, name, path, grid):
