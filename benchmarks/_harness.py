@@ -47,7 +47,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs" / "benchmarks.md"
 SCRIPTS = ("grad_vs_diffrax", "stiff_and_high_order", "fit_vs_diffrax", "neural_ode",
-           "fused_forward", "kernel_adjoint", "scale", "petab_collection", "outputs")
+           "fused_forward", "kernel_adjoint", "scale", "petab_collection", "outputs",
+           "time_to_optimum")
 PACKAGES = ("gradsolve", "jax", "jaxlib", "diffrax", "equinox", "optax", "warp-lang",
             "numpy", "scipy")
 
