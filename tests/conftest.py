@@ -68,7 +68,25 @@ _HEAVIEST_FIRST = ("test_petab.py", "test_recipes.py", "test_scale.py", "test_ca
                    "test_fused.py", "test_grad.py", "test_translate.py")
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(_HEAVIEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: keeps
     # each file's own order
+    if os.environ.get(_AGAIN):  # tests/suite.sh's second run: what did not pass
+        with open(os.environ[_AGAIN]) as f:
+            done = set(f.read().split())
+        config.hook.pytest_deselected(items=[x for x in items if x.nodeid in done])
+        items[:] = [x for x in items if x.nodeid not in done]
+
+
+# tests/suite.sh: the node ids of the tests that passed or were skipped, one per line,
+# written by the controlling process (xdist hands it every worker's reports), and the
+# same file read back to leave those tests out of a second run.
+_DONE, _AGAIN = "GRADSOLVE_TEST_DONE", "GRADSOLVE_TEST_AGAIN"
+
+
+def pytest_runtest_logreport(report):
+    if (os.environ.get(_DONE) and "PYTEST_XDIST_WORKER" not in os.environ
+            and (report.skipped or (report.when == "call" and report.passed))):
+        with open(os.environ[_DONE], "a") as f:
+            f.write(report.nodeid + "\n")
