@@ -260,6 +260,13 @@ class Calibrator:
             self.objective.ys, arr, mesh, params, y0))
         self._max_updates = MAX_UPDATES_PER_CALL  # 1: one update per call (tests)
 
+    def _hold(self, held):
+        """Hold the leaves `held` (a pytree of bools shaped as the optimised
+        parameters) at their starting values: a profile's fixed leaf
+        (`_objective.make_update`)."""
+        self._update = eqx.filter_jit(make_updates(make_update(self.objective,
+                                                               self.optimizer, held)))
+
     # -- records --------------------------------------------------------------------
 
     def _record(self, u, static, K, y0, width=0):

@@ -120,9 +120,14 @@ def _where(mask, new, old):
     return jax.tree.map(pick, new, old)
 
 
-def make_update(objective: Objective, optimizer):
+def make_update(objective: Objective, optimizer, held=None):
     """One optimizer step of every slot's fit: `update(state, static, mesh, data, y0,
     start, tol, grad_tol, cap, arr=None) -> state`.
+
+    `held`: None, or a pytree of bools shaped as the optimised parameters, True at the
+    leaves held at their values (a profile's fixed leaf): their gradient is zero, so
+    no optimizer moves them (a quasi-Newton direction has no component along them, and
+    a line search tries points where they are held), and `grad_tol` reads the others.
 
     A fit moves when it is active, its loss and gradient are finite and it has not
     converged (`tol` on the loss, `grad_tol` on the gradient's norm); its status says
@@ -150,6 +155,8 @@ def make_update(objective: Objective, optimizer):
             return jnp.sum(jnp.where(jnp.isfinite(losses), losses, 0.0)), losses
 
         (_, losses), grads = jax.value_and_grad(total, has_aux=True)(state.u)
+        if held is not None:
+            grads = jax.tree.map(lambda g, h: jnp.zeros_like(g) if h else g, grads, held)
         grad_norm = jax.vmap(optax.tree.norm)(grads)
         finite = jnp.isfinite(losses) & jnp.isfinite(grad_norm)
         converged = jnp.zeros_like(finite)

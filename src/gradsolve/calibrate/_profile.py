@@ -2,16 +2,19 @@
 re-optimised, every grid point a concurrent fit of a new Calibrator.
 
 The new Calibrator is built from the given one's settings (`Calibrator._settings`)
-over the best fit's rows, once per grid point, with its optimizer masked on the fixed
-leaf (`optax.masked(optax.set_to_zero(), ...)`: zero updates, so the leaf stays at
-its grid value exactly), its engine, and no checkpoints.
+over the best fit's rows, once per grid point, with its engine, no checkpoints, and
+the fixed leaf held (`Calibrator._hold`: its gradient is zero). The leaf then stays
+at its grid value exactly -- Adam's update of a zero gradient is zero, and a
+quasi-Newton direction (`optax.lbfgs`) has no component along it, so its line search
+tries only points of the profile (masking the update after the optimizer would move
+the points the line search accepted) -- and `grad_tol` reads the free leaves' gradient
+(the fixed leaf's is not zero away from the optimum: counted, no profile converged).
 """
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from ..problem import trajectory_params
 from . import _result, _validate
@@ -51,9 +54,8 @@ def profile(cal, res, name, grid, *, steps, tol, grad_tol, progress, slots):
         settings["dt0"] = np.asarray(cal.config.dt0)[rows]
     # theta0 leads with the grid points: to_params is given, so never one fit (a
     # one-fit Calibrator's to_params re-wraps the shared leaves, its data has B = 1).
-    jobs = type(cal)(prob, cal.loss, cal.to_params, data,
-                     optax.chain(cal.optimizer, optax.masked(optax.set_to_zero(), hold)),
-                     **settings)
+    jobs = type(cal)(prob, cal.loss, cal.to_params, data, cal.optimizer, **settings)
+    jobs._hold(hold)
     jobs._max_updates = cal._max_updates
     return jobs.fit(theta0, steps=steps, tol=tol, grad_tol=grad_tol, progress=progress,
                     slots=slots)
