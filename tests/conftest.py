@@ -36,6 +36,7 @@ else:
         os.environ.setdefault("GRADSOLVE_WARP_OPT_LEVEL", "0")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 X64 = os.environ.get("GRADSOLVE_TEST_X64", "1") != "0"
 jax.config.update("jax_enable_x64", X64)
@@ -46,6 +47,20 @@ if GPU:  # the GPU run: tests/gpu alone (the rest expects the CPU pins)
     collect_ignore_glob = ["test_*.py"]
 else:
     collect_ignore.append("gpu")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """JAX's caches keep every compiled program of the process, and each XLA CPU
+    program holds its own memory mappings: a worker passed Linux's limit of 65530 maps
+    (`vm.max_map_count`) late in the suite, and XLA crashed there ("LLVM compilation
+    error: Cannot allocate memory", then a segfault or an abort, in a compile or a
+    persistent-cache read or write; 4 runs of 2026-12-04..06). Measured: one process
+    running test_calibrator, test_workflow and test_kernel_adjoint reached 33,000 maps
+    in 2 minutes; 15 small Calibrator fits add ~320 maps each, released only by
+    `jax.clear_caches()` (5934 -> 1085). So each test file's programs go after it."""
+    yield
+    jax.clear_caches()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -4,11 +4,11 @@
 # fault and every failure is such a death, the tests that neither passed nor were
 # skipped -- the one the worker was running and those its file still had queued, which
 # never ran -- run again in one process, and that run decides. Seen in the suite: XLA's
-# CPU backend segfaulting in a compile or in serialising an executable for the
-# persistent cache (jaxlib 0.10.2; 2 of 7 local runs and one CI run of 2026-12-06, each
-# time in another test; not reproduced alone in ~2500 compiles and cache writes, nor
-# found by glibc's heap checks over the Warp tests). The crash and its stack stay in
-# the output above the second run.
+# CPU backend segfaulting or aborting in a compile or a persistent-cache read or write
+# once a worker held Linux's 65530 memory maps ("LLVM compilation error: Cannot
+# allocate memory"; tests/conftest.py now releases each file's compiled programs, which
+# keeps a worker under ~17,000). The crash and its stack stay in the output above the
+# second run.
 set -uo pipefail
 py=$1
 shift
