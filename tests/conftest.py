@@ -49,11 +49,11 @@ else:
     collect_ignore.append("gpu")
 
 
-# A worker's memory maps past which a test file's end releases the compiled programs.
+# A worker's memory maps past which the end of a test releases the compiled programs.
 MAPS_CLEAR = 32768
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def _release_compiled_programs():
     """JAX's caches keep every compiled program of the process, and each XLA CPU
     program holds its own memory mappings: a worker passed Linux's limit of 65530 maps
@@ -61,18 +61,19 @@ def _release_compiled_programs():
     error: Cannot allocate memory", then a segfault or an abort, in a compile or a
     persistent-cache read or write; 4 runs of 2026-12-04..06). Measured: one process
     running test_calibrator, test_workflow and test_kernel_adjoint reached 33,000 maps
-    in 2 minutes (test_calibrator alone ~16,000); 15 small Calibrator fits add ~320
-    maps each, released only by `jax.clear_caches()` (5934 -> 1085). So a test file
-    that ends with the worker above MAPS_CLEAR maps releases them (where /proc tells;
-    elsewhere always). Not after every file: the programs later files share are kept
-    (a fresh clone's suite took 11 min 41 s clearing after every file, 7 min 45 s
-    before it cleared at all)."""
+    in 2 minutes; in a fresh clone's suite a worker reached 45,000 within test_petab.py
+    alone; 15 small Calibrator fits add ~320 maps each, released only by
+    `jax.clear_caches()` (5934 -> 1085). So a test that ends with the worker above
+    MAPS_CLEAR maps releases them (where /proc tells; elsewhere never: the crash was
+    seen on Linux only). Not after every test or file: the programs later tests share
+    are kept (clearing after every file, a fresh clone's suite took 11 min 41 s; 7 min
+    45 s before it cleared at all)."""
     yield
     try:
-        with open("/proc/self/maps") as f:
-            maps = sum(1 for _ in f)
+        with open("/proc/self/maps", "rb") as f:
+            maps = f.read().count(b"\n")
     except OSError:
-        maps = MAPS_CLEAR
+        return
     if maps >= MAPS_CLEAR:
         jax.clear_caches()
 
