@@ -66,8 +66,9 @@ def _release_compiled_programs():
     `jax.clear_caches()` (5934 -> 1085). So a test that ends with the worker above
     MAPS_CLEAR maps releases them (where /proc tells; elsewhere never: the crash was
     seen on Linux only). Not after every test or file: the programs later tests share
-    are kept (clearing after every file, a fresh clone's suite took 11 min 41 s; 7 min
-    45 s before it cleared at all)."""
+    are kept. Fresh clones on 2026-12-06, one machine: clearing after every file 11 min
+    41 s (user CPU 20.0 min), at this threshold 14 min 54 s (20.1 min), the commit
+    before any clearing 11 min 27 s (19.5 min) -- and that one crashed as above."""
     yield
     try:
         with open("/proc/self/maps", "rb") as f:
