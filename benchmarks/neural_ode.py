@@ -12,9 +12,10 @@ atol 1e-6, outputs at the 100 times.
 
 Sections:
 - training (float64) and training_float32 (a fresh process with `jax_enable_x64`
-  off): time per update = (median T(N2) - median T(N1)) / (N2 - N1) of warm runs, the
-  first update (compile included) in a fresh Calibrator / a fresh `make_step`, and the
-  loss on all 256 series after N2 updates, each side's network solved by Diffrax;
+  off): time per update = (median T(N2) - median T(N1)) / (N2 - N1) of warm runs; the
+  first update, from building the Calibrator / `make_step` with every compile, median
+  of fresh processes (alternating which side runs first); the loss on all 256 series
+  after N2 updates, each side's network solved by Diffrax;
 - outputs: the gradient of 32 trajectories on one recorded mesh with no outputs, 100
   integrated outputs (an extra step each) and 100 from the continuous extension,
   beside Diffrax's gradient with `SaveAt(ts=...)`;
@@ -38,6 +39,7 @@ from _harness import ROOT, fmt, log, main, md_table, spawn, target, timed_fit, w
 import time  # noqa: E402
 import types  # noqa: E402
 
+import diffrax  # noqa: E402
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -47,6 +49,7 @@ import optax  # noqa: E402
 import gradsolve as gs  # noqa: E402
 
 N_SERIES, BATCH, RTOL, ATOL, LR = 256, 32, 1e-3, 1e-6, 3e-3
+SCRIPT = ROOT / "benchmarks" / "neural_ode.py"
 
 
 def true_field(t, y, args):
@@ -72,7 +75,6 @@ def setup(seed=5678):
 
 
 def diffrax_solve(mlp, y0, ts):
-    import diffrax
     sol = diffrax.diffeqsolve(
         diffrax.ODETerm(lambda t, y, m: m(y)), diffrax.Tsit5(), ts[0], ts[-1], ts[1] - ts[0],
         y0, args=mlp, saveat=diffrax.SaveAt(ts=ts),
@@ -129,11 +131,13 @@ def timed(fn):
 def training(args):
     n1, n2 = (5, 25) if args.quick else (20, 220)
     repeats = args.repeats or (2 if args.quick else 3)
+    first = {"gradsolve": [], "diffrax": []}  # fresh processes, each side first in turn
+    for r in range(repeats):
+        for side in sorted(first, reverse=bool(r % 2)):
+            first[side].append(spawn(SCRIPT, "first", side=side)["s"])
     ts, data, y0, mlp = setup()
     cal, theta0 = calibrator(ts, data, y0, mlp)
-    first_gs, _ = timed(lambda: timed_fit(cal, theta0, 1))
     train = diffrax_trainer(ts, data, y0)
-    first_dfx, _ = timed(lambda: train(mlp, 1))
     times = {"gradsolve": {n1: [], n2: []}, "diffrax": {n1: [], n2: []}}
     for _ in range(repeats + 1):  # the first round compiles the other steps values
         for n in (n1, n2):
@@ -147,8 +151,8 @@ def training(args):
     out = {"dtype": str(ts.dtype), "n1": n1, "n2": n2, "repeats": repeats,
            "engine": res.engine, "interpolate": bool(cal.config.interpolate),
            "refreshes": int(res.refreshes), "times_s": times,
-           "per_update_s": per_update, "first_update_s": {"gradsolve": first_gs,
-                                                          "diffrax": first_dfx},
+           "per_update_s": per_update, "first_update_runs_s": first,
+           "first_update_s": {k: float(np.median(v)) for k, v in first.items()},
            "full_loss_start": full_loss(mlp, y0, ts, data),
            "full_loss": {"gradsolve": full_loss(ours, y0, ts, data),
                          "diffrax": full_loss(net, y0, ts, data)}}
@@ -159,8 +163,7 @@ def training(args):
 
 def training_float32(args):
     env = dict(os.environ, GRADSOLVE_BENCH_X64="0")
-    return spawn(ROOT / "benchmarks" / "neural_ode.py", "training", env=env,
-                 quick=args.quick, repeats=args.repeats)
+    return spawn(SCRIPT, "training", env=env, quick=args.quick, repeats=args.repeats)
 
 
 def outputs(args):
@@ -197,9 +200,8 @@ def refresh(args):
     """Refresh policies on the example, each from the same network: the wall time of
     `steps` updates (compiles included: a refresh that widens the mesh compiles the
     update again) and the full-data loss after them."""
-    steps = 60 if args.quick else 300
+    steps, runs = 60 if args.quick else 300, {}
     ts, data, y0, mlp = setup()
-    runs = {}
     for every in (None, 10, 25, 50, 100):
         cal, theta0 = calibrator(ts, data, y0, mlp, refresh_every=every)
         dt, res = timed_fit(cal, theta0, steps)
@@ -237,9 +239,8 @@ def spiral_run(spec):
     res = cal.fit(theta0, steps=spec["steps"], progress=False)
     jax.block_until_ready(res.theta)
     return {"wall_s": time.perf_counter() - t0, "setup_s": built, "data_s": t0 - t_data,
-            "engine": res.engine,
-            "updates": int(res.updates), "refreshes": int(res.refreshes),
-            "refresh_every": cal.refresh_every,
+            "engine": res.engine, "updates": int(res.updates),
+            "refreshes": int(res.refreshes), "refresh_every": cal.refresh_every,
             "loss_first": float(res.history[0, 0]), "loss_last": float(res.loss[0])}
 
 
@@ -252,12 +253,11 @@ SPIRAL_SWEEP = ({"refresh_every": None}, {"refresh_every": 25}, {"refresh_every"
 
 def spiral(args):
     # The harness turns the persistent compilation cache off in its workers too.
-    script = ROOT / "benchmarks" / "neural_ode.py"
-    runs = [spawn(script, "spiral", steps=500, refresh_every="auto")
+    runs = [spawn(SCRIPT, "spiral", steps=500, refresh_every="auto")
             for _ in range(1 if args.quick else 3)]
     out = {"runs": runs, "median_wall_s": float(np.median([r["wall_s"] for r in runs]))}
     log(f"  spiral: 500 updates in {out['median_wall_s']:.2f} s (compile included)")
-    out["sweep"] = [] if args.quick else [spawn(script, "spiral", steps=500, **spec)
+    out["sweep"] = [] if args.quick else [spawn(SCRIPT, "spiral", steps=500, **spec)
                                           for spec in SPIRAL_SWEEP]
     return out
 
@@ -332,10 +332,19 @@ def targets(sections):
     return out
 
 
+def first_update(spec):
+    """Seconds from building one side's trainer to its first update's end, in this
+    fresh process, after the data (both libraries imported before, as by a user)."""
+    ts, data, y0, mlp = setup()
+    if spec["side"] == "diffrax":
+        return {"s": timed(lambda: diffrax_trainer(ts, data, y0)(mlp, 1))[0]}
+    return {"s": timed(lambda: timed_fit(*calibrator(ts, data, y0, mlp), 1))[0]}
+
+
 def worker(spec):
     return training(types.SimpleNamespace(quick=spec["quick"], repeats=spec["repeats"]))
 
 
 if __name__ == "__main__":
     main("neural_ode", __doc__, SECTIONS, render, targets,
-         {"training": worker, "spiral": spiral_run})
+         {"training": worker, "spiral": spiral_run, "first": first_update})
