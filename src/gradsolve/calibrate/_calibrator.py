@@ -37,11 +37,12 @@ from ..record import record_rows
 from ..engines import recorder_of, with_recorder
 from ..mesh import GROWTH, Mesh, grown_width
 from ..problem import Shared, _is_shared, as_problem, network_size
-from ..router import plan
+from ..router import plan, refusal, request_for
 from ..status import Status
-from . import _driver, _profile, _validate
+from . import _driver, _least_squares, _profile, _validate
 from ._checkpoint import check_directory, check_every
-from ._objective import MAX_UPDATES_PER_CALL, Objective, make_update, make_updates
+from ._objective import (MAX_UPDATES_PER_CALL, Objective, make_least_squares_update,
+                         make_update, make_updates)
 from ._state import FitState, FitStatus
 
 
@@ -92,16 +93,24 @@ class Calibrator:
         to_y0: `theta_b -> (K, d)` initial states of fit b's trajectories, when they
             are estimated too (the gradient flows through y0 as through the
             parameters). Default: the problem's y0.
+        residuals: in place of `loss`, the least-squares form: `residuals(ys_b,
+            theta_b, data_b) -> array` (any shape, its size fixed), the loss being half
+            its squared norm. Fitted by `optx.LevenbergMarquardt` by default (see
+            `optimizer`); docs/calibrator.md, "Least squares".
         data: a pytree whose leaves lead with B (observations per fit; for one fit
             over shared parameters, that fit's, without B), or None. Its
             values must be finite: a NaN or inf is refused here, naming the leaf and
             its first index. Missing measurements: fill them with any finite value and
             weight them out in the loss with a mask leaf of `data`.
-        optimizer: an `optax.GradientTransformation` (default `optax.adam(1e-2)`), run
-            per fit under `vmap`. One whose `update` takes optax's extra arguments
-            gets them per fit: `value` and `grad` (the fit's loss and gradient) and
-            `value_fn`, the fit's loss as a function of its parameters on its own
-            rows of the same mesh (`optax.lbfgs`'s line search).
+        optimizer: an `optax.GradientTransformation`, run per fit under `vmap`, or,
+            with `residuals`, a solver of optimistix's Gauss-Newton family
+            (`optx.LevenbergMarquardt`, `optx.GaussNewton`, `optx.Dogleg`), one step
+            per update per fit. Default: `optx.LevenbergMarquardt(rtol=1e-8,
+            atol=1e-10)` with `residuals` (but for a network's field), else
+            `optax.adam(1e-2)`. An optax transformation whose `update` takes optax's
+            extra arguments gets them per fit: `value` and `grad` (the fit's loss and
+            gradient) and `value_fn`, the fit's loss as a function of its parameters
+            on its own rows of the same mesh (`optax.lbfgs`'s line search).
         transform: parameter transforms (`gs.transforms.Positive()`, `Bounded(lo,
             hi)`), one for all leaves or a pytree matching `theta0`; None: identity.
         rtol, atol, method, ts, max_steps, dt0: the record's and replay's settings.
@@ -184,8 +193,8 @@ class Calibrator:
         0.7
     """
 
-    def __init__(self, prob, loss, to_params=None, data=None, optimizer=None, *,
-                 to_y0=None, transform=None, rtol=1e-6, atol=1e-9, method=None, ts=None,
+    def __init__(self, prob, loss=None, to_params=None, data=None, optimizer=None, *,
+                 residuals=None, to_y0=None, transform=None, rtol=1e-6, atol=1e-9, method=None, ts=None,
                  interpolate=None, max_steps=DEFAULT_MAX_STEPS, dt0=None, remat=None,
                  engine=None, recorder=None, refresh_every="auto", drift_every=None,
                  drift_tol=None, batch_size=None, checkpoint_dir=None, checkpoint_every=None,
@@ -194,16 +203,18 @@ class Calibrator:
         self._settings = {k: v for k, v in locals().items()
                           if k not in ("self", "prob", "loss", "to_params", "data", "optimizer")}
         self.problem = as_problem(prob)
-        if not callable(loss):
-            raise TypeError("loss must be callable as loss(ys_b, theta_b, data_b)")
+        if (loss is None) == (residuals is None):
+            raise TypeError("give one of loss (loss(ys_b, theta_b, data_b) -> scalar) and "
+                            "residuals (residuals(ys_b, theta_b, data_b) -> array)"
+                            + ("" if loss is None else ", not both"))
+        if not callable(loss if residuals is None else residuals):
+            raise TypeError("loss must be callable as loss(ys_b, theta_b, data_b)"
+                            if residuals is None else
+                            "residuals must be callable as residuals(ys_b, theta_b, data_b)")
         if to_params is not None and not callable(to_params):
             raise TypeError("to_params must be callable as to_params(theta_b)")
         if to_y0 is not None and not callable(to_y0):
             raise TypeError("to_y0 must be callable as to_y0(theta_b) -> (K, d)")
-        optimizer = optax.adam(1e-2) if optimizer is None else optimizer
-        if not (callable(getattr(optimizer, "init", None))
-                and callable(getattr(optimizer, "update", None))):
-            raise TypeError("optimizer must be an optax.GradientTransformation")
         _validate.check_data(data)
         # One fit over the problem's shared parameters (a neural ODE's network): its
         # theta is the problem's params without the gs.Shared wrappers, and neither
@@ -217,6 +228,21 @@ class Calibrator:
         # it trains: "auto" refreshes its mesh, and a mesh that outgrew its width is
         # padded with headroom (`mesh.grown_width`) and replayed guarded.
         self.grows = self.one_fit or network_size(self.problem.params) >= NETWORK_SIZE
+        if optimizer is None:  # least squares for residuals, but for a network's field
+            optimizer = (_least_squares.default_solver()
+                         if residuals is not None and not self.grows else optax.adam(1e-2))
+        _least_squares.check_solver(optimizer, residuals)
+        self.least_squares = _least_squares.is_least_squares(optimizer)
+        if not self.least_squares and not (callable(getattr(optimizer, "init", None))
+                                           and callable(getattr(optimizer, "update", None))):
+            raise TypeError("optimizer must be an optax.GradientTransformation or an "
+                            "optimistix least-squares solver (optx.LevenbergMarquardt)")
+        if self.least_squares and batch_size is not None:
+            raise ValueError(
+                f"batch_size={batch_size} with optimizer={type(optimizer).__name__}: a "
+                f"least-squares step compares its trial point with the last on one "
+                f"objective, which minibatches change at every update; use an optax "
+                f"optimizer with minibatches")
         self._growth = GROWTH if self.grows else 1.0
         if isinstance(refresh_every, str) and refresh_every == "auto":
             refresh_every = (auto_refresh_every(self.problem.n, batch_size)
@@ -239,6 +265,9 @@ class Calibrator:
             raise ValueError(f"drift_tol must be a number >= 0, got {drift_tol!r}")
         if checkpoint_dir is not None:
             checkpoint_dir = check_directory(checkpoint_dir)
+        self.residuals = residuals
+        if residuals is not None:
+            loss = _half_squares(residuals)
         self.loss, self.to_params, self.to_y0, self.data = loss, to_params, to_y0, data
         self.optimizer, self.transform = optimizer, transform
         self._engine, self.passed_over, self.config = plan(
@@ -251,21 +280,38 @@ class Calibrator:
         self.batch_size = batch_size
         self.drift_tol = None if drift_tol is None else float(drift_tol)
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
+        # Forward-mode replays for a least-squares Jacobian of few parameters, where
+        # the engine serves them (`_least_squares`).
+        self._forward = self.least_squares and refusal(self._engine, request_for(
+            self.problem, gradient=True, method=self.config.method, rtol=rtol,
+            mode="forward", interpolate=interpolate, ts=ts is not None)) is None
         self.objective = Objective(
             loss=loss, to_params=to_params, to_y0=to_y0, transform=transform,
-            batch_size=batch_size,
-            ys=self._engine.ys_function(self.problem, self.config, "reverse"))
-        self._update = eqx.filter_jit(make_updates(make_update(self.objective, optimizer)))
+            batch_size=batch_size, residuals=residuals,
+            ys=self._engine.ys_function(self.problem, self.config, "reverse"),
+            ys_forward=self._engine.ys_function(self.problem, self.config, "forward")
+            if self._forward else None)
+        self._hold(None)
         self._replayed = eqx.filter_jit(lambda mesh, params, y0, arr: layout.run(
             self.objective.ys, arr, mesh, params, y0))
         self._max_updates = MAX_UPDATES_PER_CALL  # 1: one update per call (tests)
 
     def _hold(self, held):
-        """Hold the leaves `held` (a pytree of bools shaped as the optimised
+        """Hold the leaves `held` (None, or a pytree of bools shaped as the optimised
         parameters) at their starting values: a profile's fixed leaf
         (`_objective.make_update`)."""
-        self._update = eqx.filter_jit(make_updates(make_update(self.objective,
-                                                               self.optimizer, held)))
+        self._held = held
+        self._update = eqx.filter_jit(make_updates(
+            make_least_squares_update(self.objective, self.optimizer, held, self._forward)
+            if self.least_squares else make_update(self.objective, self.optimizer, held)))
+
+    def _opt_init(self, u, static, mesh, y0, data):
+        """The optimizer state of the fits at `u` (leaves lead with B); a
+        least-squares solver's reads the fits' mesh rows, data and y0 (their shapes)."""
+        if not self.least_squares:
+            return jax.vmap(self.optimizer.init)(u)
+        return _least_squares.init(self.objective, self.optimizer, u, static, mesh, data,
+                                   y0, self._held, self._forward)
 
     # -- records --------------------------------------------------------------------
 
@@ -415,7 +461,8 @@ class Calibrator:
         ok = np.ones(S, bool) if ok is None else ok
         dtype = self.problem.y0.dtype
         return jax.device_put(FitState(
-            u=u, opt_state=jax.vmap(self.optimizer.init)(u), active=ok,
+            u=u, opt_state=self._opt_init(u, static, mesh, self.problem.y0, self.data),
+            active=ok,
             status=np.where(ok, FitStatus.QUEUED, FitStatus.RECORD_FAILED).astype(np.int32),
             steps=np.zeros(S, np.int32), loss=np.full(S, np.nan, dtype),
             grad_norm=np.full(S, np.nan, dtype), history=None, drift=None,
@@ -423,6 +470,13 @@ class Calibrator:
             key=jax.random.key_data(jax.random.key(0)) if key is None else jax.random.key_data(key),
             mesh=_mesh_arrays(mesh)))._replace(history=np.full((steps, S), np.nan, dtype),
                                                drift=np.full((steps, S), np.nan, dtype))
+
+def _half_squares(residuals):
+    """The scalar loss of a least-squares fit: half the squared norm of its residuals."""
+    def loss(ys_b, theta_b, data_b):
+        return 0.5 * jnp.sum(jnp.square(residuals(ys_b, theta_b, data_b)))
+    return loss
+
 
 def _all_shared(params) -> bool:
     """Whether every parameter is in a `gs.Shared` (and there is one)."""

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from .._version import __version__
+from . import _least_squares
 from ._checkpoint import CheckpointMismatch, checksum
 from ._state import STATE_FORMAT
 
@@ -83,10 +84,14 @@ def of(cal, state, static, theta0, K, tol, grad_tol) -> dict:
         abstract(state.u), mesh, abstract(cal.data), abstract(prob.y0))
     # With optax's extra arguments, as the update passes them (`_objective.make_update`):
     # a transformation that ignores them traces as without them.
-    extra_args = optax.with_extra_args_support(cal.optimizer)
-    opt_jaxpr = jax.make_jaxpr(jax.vmap(lambda g, s, u: extra_args.update(
-        g, s, u, value=0.0, grad=g, value_fn=optax.tree.norm)))(
-        abstract(state.u), abstract(state.opt_state), abstract(state.u))
+    if cal.least_squares:  # a step of the solver on a stand-in residual
+        opt_jaxpr = _least_squares.fingerprint_jaxpr(cal.optimizer, jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), abstract(state.u)))
+    else:
+        extra_args = optax.with_extra_args_support(cal.optimizer)
+        opt_jaxpr = jax.make_jaxpr(jax.vmap(lambda g, s, u: extra_args.update(
+            g, s, u, value=0.0, grad=g, value_fn=optax.tree.norm)))(
+            abstract(state.u), abstract(state.opt_state), abstract(state.u))
     return {
         "problem": prob.name, "t_span": [float(t) for t in prob.t_span],
         "y0": checksum(prob.y0)[:16], "method": cfg.method, "rtol": cfg.rtol,

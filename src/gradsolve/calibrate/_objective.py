@@ -4,8 +4,9 @@ time in one compiled loop (`make_updates`).
 
 Nothing here has a side effect or holds state between calls: the Calibrator builds
 these once from its settings and owns everything else -- slots, refreshes, drift
-checks, checkpoints, progress. Another kind of step (a least-squares or quasi-Newton
-one) is another `make_update` over the same `Objective`.
+checks, checkpoints, progress. Another kind of step is another `make_update` over the
+same `Objective`: `make_least_squares_update` runs optimistix's Gauss-Newton family on
+its residuals (`_least_squares`).
 
     update = make_update(objective, optax.adam(1e-2))
     updates = eqx.filter_jit(make_updates(update))
@@ -23,7 +24,7 @@ import optax
 
 from .. import layout
 from ..problem import Shared, trajectory_params
-from . import _transforms
+from . import _least_squares, _transforms
 from ._state import FitState, FitStatus
 
 
@@ -46,6 +47,8 @@ class Objective(eqx.Module):
     transform: Any
     ys: Callable  # ys(mesh, params, y0): the engine's replay
     batch_size: int | None = eqx.field(static=True)
+    residuals: Callable | None = None  # the least-squares form: loss = 0.5 |r|^2
+    ys_forward: Callable | None = None  # the replay for forward mode, where served
 
     def theta(self, u, static):
         """The fits' theta (constrained) from the optimised, unconstrained `u`."""
@@ -91,10 +94,12 @@ class Objective(eqx.Module):
             jax.random.fold_in(jax.random.fold_in(key, b), t), K,
             (self.batch_size,), replace=False))(start, steps)
 
-    def losses(self, u, static, mesh, data, y0, K, rows=None, arr=None):
+    def losses(self, u, static, mesh, data, y0, K, rows=None, arr=None, residuals=False,
+               forward=False):
         """Per-fit losses; with `rows` `(B, m)`, on those m of each fit's K
         trajectories (a minibatch) and their data. `arr`: where the rows are replayed
-        (`layout/`), None for one piece."""
+        (`layout/`), None for one piece. With `residuals`, each fit's residuals
+        instead; with `forward`, replayed by the engine's forward-mode replay."""
         theta = self.theta(u, static)
         params, y0 = self.params(theta, K), self.y0(theta, y0)
         if rows is not None:
@@ -104,12 +109,27 @@ class Objective(eqx.Module):
             y0, mesh = y0[flat], None if mesh is None else mesh.take(flat)
             data = None if data is None else jax.tree.map(
                 lambda d: jax.vmap(lambda d_b, r: d_b[r])(d, rows), data)
-        ys = self.ys(mesh, params, y0) if arr is None else layout.run(self.ys, arr, mesh,
-                                                                        params, y0)
+        run = self.ys_forward if forward else self.ys
+        ys = run(mesh, params, y0) if arr is None else layout.run(run, arr, mesh, params, y0)
         ys_b = ys.reshape((-1, K) + ys.shape[1:])
         batched = eqx.if_array(0)
         axes = (batched, batched, None if data is None else batched)
-        return eqx.filter_vmap(self.loss, in_axes=axes)(ys_b, theta, data)
+        return eqx.filter_vmap(self.residuals if residuals else self.loss, in_axes=axes)(
+            ys_b, theta, data)
+
+    def fit_output(self, u_b, b, mesh, data, y0, rows, *, static, K, residuals=False,
+                   forward=False):
+        """Fit b's loss (or residuals) as a function of its own parameters `u_b`
+        (without the fit axis), on its K rows of `mesh`, `data` and `y0` (all fits'),
+        `rows` its minibatch `(1, m)` or None: what a line search's or a least-squares
+        step's trial points evaluate."""
+        at = b * K + jnp.arange(K)
+        return self.losses(
+            jax.tree.map(lambda x: x[None], u_b), static,
+            None if mesh is None else mesh.take(at),
+            None if data is None else jax.tree.map(
+                lambda x: x[b][None] if eqx.is_array(x) else x, data),
+            y0[at], K, rows, residuals=residuals, forward=forward)[0]
 
 
 def _where(mask, new, old):
@@ -170,30 +190,56 @@ def make_update(objective: Objective, optimizer, held=None):
             """Fit b's optimizer step, with optax's extra arguments: its loss, its
             gradient and `value_fn`, its loss as a function of its own parameters on
             its rows of the mesh (a line search's trial points: `optax.lbfgs`)."""
-            at = b * K + jnp.arange(K)
-
             def value_fn(u_trial):
-                one = lambda x: x[b][None] if eqx.is_array(x) else x
-                return objective.losses(
-                    jax.tree.map(lambda x: x[None], u_trial), static,
-                    None if mesh is None else mesh.take(at),
-                    None if data is None else jax.tree.map(one, data), y0[at], K,
-                    None if rows is None else rows[b][None])[0]
+                return objective.fit_output(u_trial, b, mesh, data, y0,
+                                            None if rows is None else rows[b][None],
+                                            static=static, K=K)
             return extra_args.update(g, s, u_b, value=value, grad=g, value_fn=value_fn)
         updates, opt_state = jax.vmap(step)(grads, state.opt_state, state.u, losses,
                                             jnp.arange(B))
-        u = _where(move, optax.apply_updates(state.u, updates), state.u)
-        opt_state = _where(move, opt_state, state.opt_state)
-        steps = state.steps + move
-        status = jnp.select(
-            [~state.active, ~finite, converged, steps >= cap],
-            [state.status, FitStatus.NONFINITE, FitStatus.CONVERGED, FitStatus.STEP_CAP],
-            state.status).astype(state.status.dtype)
-        return layout.replicated(state._replace(
-            u=u, opt_state=opt_state, active=state.active & move & (steps < cap),
-            status=status, steps=steps, loss=jnp.where(state.active, losses, state.loss),
-            grad_norm=jnp.where(state.active, grad_norm, state.grad_norm),
-            update=state.update + 1), arr)
+        return _advance(state, move, optax.apply_updates(state.u, updates), opt_state,
+                        losses, grad_norm, finite, converged, cap, arr)
+    return update
+
+
+def _advance(state, move, u, opt_state, losses, grad_norm, finite, converged, cap, arr):
+    """The state after an update: the fits in `move` take `u` and `opt_state` and count
+    a step; every active fit's loss and gradient norm are recorded; a fit stops --
+    non-finite, converged or at the cap, in that order -- with its status."""
+    u = _where(move, u, state.u)
+    opt_state = _where(move, opt_state, state.opt_state)
+    steps = state.steps + move
+    status = jnp.select(
+        [~state.active, ~finite, converged, steps >= cap],
+        [state.status, FitStatus.NONFINITE, FitStatus.CONVERGED, FitStatus.STEP_CAP],
+        state.status).astype(state.status.dtype)
+    return layout.replicated(state._replace(
+        u=u, opt_state=opt_state,
+        active=state.active & finite & ~converged & (steps < cap),
+        status=status, steps=steps, loss=jnp.where(state.active, losses, state.loss),
+        grad_norm=jnp.where(state.active, grad_norm, state.grad_norm),
+        update=state.update + 1), arr)
+
+
+def make_least_squares_update(objective: Objective, solver, held=None, forward=False):
+    """As `make_update`, for a least-squares solver of optimistix's Gauss-Newton
+    family on the objective's residuals (`_least_squares`): every active fit takes one
+    solver step (a rejected trial point counts as a step: the trust region shrinks);
+    its loss and gradient norm are those of its accepted point after the step, and it
+    converges by the solver's own test (`terminate`), or by `tol` / `grad_tol`."""
+    step = _least_squares.make_step(objective, solver, held, forward)
+
+    def update(state: FitState, static, mesh, data, y0, start, tol, grad_tol, cap,
+               arr=None):
+        u, opt_state, losses, grad_norm, converged = step(state, static, mesh, data, y0,
+                                                          None)
+        finite = jnp.isfinite(losses) & jnp.isfinite(grad_norm)
+        if tol is not None:
+            converged = converged | (losses <= tol)
+        if grad_tol is not None:
+            converged = converged | (grad_norm <= grad_tol)
+        return _advance(state, state.active, u, opt_state, losses, grad_norm, finite,
+                        converged, cap, arr)
     return update
 
 

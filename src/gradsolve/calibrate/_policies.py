@@ -16,10 +16,12 @@ minibatch draws (inside the compiled update, keyed by each fit's own update coun
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import _slots
 from ._checkpoint import Schedule
+from ._objective import _where
 from ._state import FitStatus
 
 # The wall time a call of the compiled loop aims at: the host returns between calls to
@@ -89,8 +91,12 @@ class Refresh:
         if not due.any():
             return window
         failed = due & ~ok
+        opt_state = ws.opt_state
+        if cal.least_squares:  # its trust region and last point were on the old mesh
+            opt_state = _where(jnp.asarray(due), cal._opt_init(
+                ws.u, self.static, current, window.y0, window.data), opt_state)
         return window._replace(state=ws._replace(
-            mesh=_slots.adopt(ws.mesh, fresh, due, K, cal._growth),
+            mesh=_slots.adopt(ws.mesh, fresh, due, K, cal._growth), opt_state=opt_state,
             refreshes=ws.refreshes + 1,
             active=jax.device_put(np.asarray(ws.active) & ~failed),
             status=jax.device_put(np.where(failed, FitStatus.RECORD_FAILED,

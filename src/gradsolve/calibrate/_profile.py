@@ -54,7 +54,8 @@ def profile(cal, res, name, grid, *, steps, tol, grad_tol, progress, slots):
         settings["dt0"] = np.asarray(cal.config.dt0)[rows]
     # theta0 leads with the grid points: to_params is given, so never one fit (a
     # one-fit Calibrator's to_params re-wraps the shared leaves, its data has B = 1).
-    jobs = type(cal)(prob, cal.loss, cal.to_params, data, cal.optimizer, **settings)
+    loss = cal.loss if cal.residuals is None else None  # residuals are in settings
+    jobs = type(cal)(prob, loss, cal.to_params, data, cal.optimizer, **settings)
     jobs._hold(hold)
     jobs._max_updates = cal._max_updates
     return jobs.fit(theta0, steps=steps, tol=tol, grad_tol=grad_tol, progress=progress,

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 
 from ..problem import _is_shared as is_shared, unwrap_shared
-from . import _fingerprint, _transforms
+from . import _fingerprint, _least_squares, _transforms
 
 
 def check_tol(name, value):
@@ -54,6 +54,14 @@ def check_optimizer(optimizer, u_b):
     the update calls them: with optax's extra arguments (`value`, `grad`, `value_fn`:
     `optax.lbfgs`'s line search), which transformations that take none ignore
     (`optax.with_extra_args_support`). A failure is raised naming the parameters."""
+    if _least_squares.is_least_squares(optimizer):
+        try:
+            _least_squares.fingerprint_jaxpr(optimizer, u_b)
+        except Exception as e:  # noqa: BLE001 - re-raised with the inputs named
+            raise TypeError(f"optimizer {type(optimizer).__name__} failed on fit 0's "
+                            f"parameters {_fingerprint.array_shapes(u_b)}: "
+                            f"{type(e).__name__}: {e}") from e
+        return
     extra_args = optax.with_extra_args_support(optimizer)
 
     def value(u):

@@ -1,0 +1,161 @@
+"""Least-squares steps: optimistix's Gauss-Newton family (`optx.LevenbergMarquardt`,
+`optx.GaussNewton`, `optx.Dogleg`) driven one step per update, per fit, on the
+Calibrator's residuals (`Calibrator(..., residuals=...)`).
+
+Each fit runs the solver's own `init` / `step` / `terminate` under `vmap`, its trial
+points evaluated on the fit's own rows of the same recorded mesh (so the objective is
+smooth and deterministic between refreshes, and nothing couples two fits). The
+solver's state is the fit's optimizer state: checkpointed, gathered into slots and
+reset when the fit's mesh is re-recorded, as an Optax state is.
+
+The Jacobian. A fit's residual function is wrapped so that its linearisation is a
+materialised `(M, P)` matrix (M residuals, P parameters): one forward-mode replay with
+P tangents (`jax.jacfwd`: the seed's forward mode) when P <= M and the engine serves
+forward mode, else M reverse-mode rows (`jax.jacrev`). The solver then sees a matrix
+times a vector -- the same small linear map whatever the mesh's width, which is what
+lets its state cross refreshes, slots and checkpoints.
+
+    res = gs.Calibrator(prob, residuals=lambda ys, th, d: (ys - d).ravel(),
+                        data=obs).fit(theta0)  # Levenberg-Marquardt by default
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import optimistix as optx
+from jax.flatten_util import ravel_pytree
+
+# The default least-squares solver's termination (optimistix's Cauchy test: a step's
+# change in the parameters and in the residuals both below atol + rtol * size).
+RTOL, ATOL = 1e-8, 1e-10
+_TAGS = frozenset()
+_OPTIONS = {"jac": "fwd"}  # the linearisation of our materialised map: a matmul
+
+
+def is_least_squares(optimizer) -> bool:
+    return isinstance(optimizer, optx.AbstractLeastSquaresSolver)
+
+
+def check_solver(optimizer, residuals):
+    """Refuse, by name, an optimistix solver the Calibrator does not drive, and a
+    least-squares solver without residuals."""
+    if isinstance(optimizer, optx.AbstractMinimiser) or (
+            is_least_squares(optimizer) and not isinstance(optimizer, optx.AbstractGaussNewton)):
+        raise TypeError(
+            f"optimizer={type(optimizer).__name__}: of optimistix's solvers the Calibrator "
+            f"drives the Gauss-Newton family (optx.LevenbergMarquardt, optx.GaussNewton, "
+            f"optx.Dogleg) on residuals=; for a scalar loss use an optax transformation "
+            f"(optax.lbfgs() is L-BFGS with a line search)")
+    if is_least_squares(optimizer) and residuals is None:
+        raise TypeError(
+            f"optimizer={type(optimizer).__name__} is a least-squares method: give the "
+            f"fit's residuals (Calibrator(prob, residuals=r, ...), r(ys_b, theta_b, "
+            f"data_b) -> array) instead of a scalar loss")
+
+
+def default_solver():
+    """The least-squares default: `optx.LevenbergMarquardt(RTOL, ATOL)`."""
+    return optx.LevenbergMarquardt(rtol=RTOL, atol=ATOL)
+
+
+def _jacobian_by(forward, P, M):
+    """`jax.jacfwd` (P tangents) when the engine serves forward mode and P <= M, else
+    `jax.jacrev` (M cotangents)."""
+    return "fwd" if forward and P <= M else "rev"
+
+
+def residual_fn(objective, static, K, held, forward):
+    """optimistix's `fn(u_b, args) -> (r, None)` for one fit, `args = (b, mesh, data,
+    y0, rows)`: fit b's residuals (flattened) at its unconstrained parameters `u_b`,
+    with the Jacobian materialised (see the module). `held`: None or a pytree of bools
+    shaped as `u_b`'s structure, True at the leaves a profile holds (their Jacobian
+    columns are zero, so no step moves them)."""
+
+    def fn(u_b, args):
+        v, unravel = ravel_pytree(u_b)
+        mask = None if held is None else ravel_pytree(jax.tree.map(
+            lambda x, h: jnp.full(jnp.shape(x), h), u_b, held))[0]
+
+        def plain(v, args, ys_forward=False):
+            if mask is not None:
+                v = jnp.where(mask, jax.lax.stop_gradient(v), v)
+            return objective.fit_output(unravel(v), *args, static=static, K=K,
+                                        residuals=True, forward=ys_forward).ravel()
+
+        @jax.custom_jvp
+        def r(v, args):
+            return plain(v, args)
+
+        @r.defjvp
+        def r_jvp(primals, tangents):
+            v, args = primals
+            M = jax.eval_shape(plain, v, args).shape[0]
+            by = _jacobian_by(forward, v.shape[0], M)
+
+            def both(v):
+                out = plain(v, args, ys_forward=by == "fwd")
+                return out, out
+            jac, out = (jax.jacfwd if by == "fwd" else jax.jacrev)(both, has_aux=True)(v)
+            return out, jac @ tangents[0]
+        return r(v, args), None
+    return fn
+
+
+def init(objective, solver, u, static, mesh, data, y0, held, forward):
+    """The solver's state of every fit (leaves lead with B) at `u`: nothing is replayed
+    (the solver reads the shapes only); its first step evaluates the fit at `u`."""
+    B = jax.tree.leaves(u)[0].shape[0]
+    K = y0.shape[0] // B
+    fn = residual_fn(objective, static, K, held, forward)
+
+    def one(u_b, b):
+        args = (b, mesh, data, y0, None)
+        return eqx.filter(_init(solver, fn, u_b, args), eqx.is_array)
+    return jax.vmap(one)(u, jnp.arange(B))
+
+
+def _init(solver, fn, u_b, args):
+    return solver.init(fn, u_b, args, _OPTIONS, jax.eval_shape(lambda: fn(u_b, args)[0]),
+                       None, _TAGS)
+
+
+def _with_static(solver, fn, u_b, args, arrays):
+    """A fit's solver state from its arrays (what the FitState carries: a traced
+    loop's carry, a checkpoint) and the rest -- the linearisation's jaxpr, the same at
+    every step -- traced anew from the solver's `init`."""
+    struct = eqx.filter_eval_shape(_init, solver, fn, u_b, args)
+    return eqx.combine(arrays, eqx.filter(struct, lambda x: not isinstance(
+        x, jax.ShapeDtypeStruct)))
+
+
+def make_step(objective, solver, held, forward):
+    """`step(state, static, mesh, data, y0, rows) -> (u, opt_state, losses, grad_norm,
+    done)`: one solver step of every fit (its `step` then `terminate`); `losses` and
+    `grad_norm` are at the returned (accepted) parameters."""
+
+    def step(state, static, mesh, data, y0, rows):
+        B = state.active.shape[0]
+        fn = residual_fn(objective, static, y0.shape[0] // B, held, forward)
+
+        def one(u_b, s, b):
+            args = (b, mesh, data, y0, None if rows is None else rows[b][None])
+            s = _with_static(solver, fn, u_b, args, s)
+            u_b, s, _ = solver.step(fn, u_b, args, _OPTIONS, s, _TAGS)
+            done, _ = solver.terminate(fn, u_b, args, _OPTIONS, s, _TAGS)
+            return (u_b, eqx.filter(s, eqx.is_array), s.f_info.as_min(),
+                    optax.tree.norm(s.f_info.compute_grad()), done)
+        return jax.vmap(one)(state.u, state.opt_state, jnp.arange(B))
+    return step
+
+
+def fingerprint_jaxpr(solver, u_b):
+    """The jaxpr of one step of `solver` on a stand-in residual (`u` doubled) at
+    parameters shaped as `u_b`: its kind and constants (rtol, atol, its linear solver),
+    for the checkpoint fingerprint."""
+    def fn(u, args):
+        return jax.tree.map(lambda x: 2.0 * x, u), None
+
+    def one(u):
+        return solver.step(fn, u, None, _OPTIONS, _init(solver, fn, u, None), _TAGS)[0]
+    return jax.make_jaxpr(one)(u_b)
