@@ -5,11 +5,11 @@ SciPy's least squares, both in this process (issue 23).
   (six numbers on log scales), from the recipe's 32 Sobol starts. SciPy:
   `least_squares` on the recipe's residuals with `solve_ivp` (DOP853, rtol 1e-10),
   from every start, one after another (the recipe's `scipy_fit`). gradsolve: one
-  Calibrator over all 32 starts at once (rtol = atol = 1e-10, the mesh refreshed every
-  `REFRESH` updates) on the recipe's residuals, with its default for them,
-  Levenberg-Marquardt (`optx.LevenbergMarquardt`, a trust region per fit, the Jacobian
-  by forward mode), with `optax.lbfgs()` (its line search per fit) and with the
-  recipe's `optax.adam(0.05)`. Every start's final parameters are scored by SciPy's
+  Calibrator over all 32 starts at once (rtol = atol = 1e-10) on the recipe's residuals,
+  with its default for them, Levenberg-Marquardt (`optx.LevenbergMarquardt`, a trust
+  region per fit, the Jacobian by forward mode, the mesh refreshed every 10 updates:
+  `refresh_every="auto"`), and, the mesh refreshed every `REFRESH` updates, with
+  `optax.lbfgs()` (its line search per fit) and with `optax.adam(0.05)`. Every start's final parameters are scored by SciPy's
   residual function (a fresh DOP853 solve), so both sides' losses are one number;
   "within 1e-8" counts the starts whose loss is within 1e-8 relative of SciPy's best.
   gradsolve's time is the whole fit, the first time (compiles included) and again
@@ -51,6 +51,7 @@ OPTIMIZERS = {"levenberg_marquardt": (optx.LevenbergMarquardt,
 
 
 def calibrator(optimizer):
+    least_squares = isinstance(optimizer, optx.AbstractLeastSquaresSolver)
     prob = gs.EnsembleProblem(
         recipe.lotka_volterra, y0=jnp.ones((STARTS, 2)),
         params={k: jnp.ones(STARTS) for k in recipe.RATES}, t_span=(0.0, 20.0),
@@ -62,7 +63,7 @@ def calibrator(optimizer):
         to_params=lambda th: {k: jnp.full(1, th[k]) for k in recipe.RATES},
         to_y0=lambda th: jnp.stack([th["hare0"], th["lynx0"]])[None],
         ts=recipe.TS, rtol=RTOL, atol=RTOL, optimizer=optimizer, transform=transform,
-        refresh_every=REFRESH)
+        refresh_every="auto" if least_squares else REFRESH)
 
 
 def scipy_residuals(th):

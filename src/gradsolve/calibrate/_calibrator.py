@@ -62,6 +62,16 @@ AUTO_REFRESH_PER_RATIO = 6.25
 AUTO_REFRESH_RANGE = (5, 50)
 
 
+# refresh_every="auto" for a least-squares fit: it converges in tens of updates, often
+# far from the parameters its mesh was recorded at, and should end on a mesh recorded
+# near its optimum. Measured on recipes/multistart.py (rtol 1e-8, 32 starts, 8 slots):
+# refreshing every 50 updates (the converged fits then never refreshed) left the best
+# fit 1.6e-6 from SciPy's loss and 1e-6 from its parameters; every 10, 1.3e-8 and
+# 3e-8, in 320 updates and 13.6 s with compiles (22 s every 50: fewer updates, same
+# compiles; each refresh restarts the fit's trust region).
+LEAST_SQUARES_REFRESH = 10
+
+
 def auto_refresh_every(n: int, batch_size) -> int:
     """`refresh_every="auto"` of one fit over a network with `n` trajectories and
     minibatches of `batch_size` (None: all n); see `AUTO_REFRESH_PER_RATIO`."""
@@ -133,7 +143,9 @@ class Calibrator:
             `auto_refresh_every(n, batch_size)` updates: 5 to 50, as often as keeps the
             records to ~10 % of the fit's time (50 for 256 trajectories in minibatches
             of 32, 7 without minibatches; B fits with minibatches get one fit's
-            interval over all n, which is longer); other fits never.
+            interval over all n, which is longer); least-squares fits every
+            `LEAST_SQUARES_REFRESH` (10) updates, so that they end on a mesh recorded
+            near their optimum; other fits never.
             A network trained on the mesh recorded for its initial weights stops
             improving or diverges (docs/calibrator.md, "The mesh during a fit").
         drift_every, drift_tol: every `drift_every` updates, record afresh and compare
@@ -245,8 +257,8 @@ class Calibrator:
                 f"optimizer with minibatches")
         self._growth = GROWTH if self.grows else 1.0
         if isinstance(refresh_every, str) and refresh_every == "auto":
-            refresh_every = (auto_refresh_every(self.problem.n, batch_size)
-                             if self.grows else None)
+            refresh_every = (auto_refresh_every(self.problem.n, batch_size) if self.grows
+                             else LEAST_SQUARES_REFRESH if self.least_squares else None)
         for name, v in (("refresh_every", refresh_every), ("drift_every", drift_every),
                         ("batch_size", batch_size)):
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -301,6 +313,8 @@ class Calibrator:
         parameters) at their starting values: a profile's fixed leaf
         (`_objective.make_update`)."""
         self._held = held
+        # Traced once per shape: a refresh restarts the solver states through it.
+        self._least_squares_init = eqx.filter_jit(_least_squares.init)
         self._update = eqx.filter_jit(make_updates(
             make_least_squares_update(self.objective, self.optimizer, held, self._forward)
             if self.least_squares else make_update(self.objective, self.optimizer, held)))
@@ -310,8 +324,8 @@ class Calibrator:
         least-squares solver's reads the fits' mesh rows, data and y0 (their shapes)."""
         if not self.least_squares:
             return jax.vmap(self.optimizer.init)(u)
-        return _least_squares.init(self.objective, self.optimizer, u, static, mesh, data,
-                                   y0, self._held, self._forward)
+        return self._least_squares_init(self.objective, self.optimizer, u, static, mesh,
+                                        data, y0, self._held, self._forward)
 
     # -- records --------------------------------------------------------------------
 
