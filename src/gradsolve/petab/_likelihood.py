@@ -64,6 +64,41 @@ def terms(model: JaxModel, ys, theta, y):
     return nllh, chi2
 
 
+# The least-squares form of a normal likelihood whose noise is estimated: each row adds
+# a residual sqrt(log(2 pi sigma^2) + SIGMA_OFFSET), half of whose square is the row's
+# log(sigma) term plus a constant, so half the squared norm of all the residuals is
+# the negative log-likelihood plus a constant. The offset keeps the root real for
+# sigma >= exp(-SIGMA_OFFSET / 2) / sqrt(2 pi) = 5.5e-12 (a trial point below is
+# not finite, and a trust region rejects it); the larger it is, the closer the
+# Gauss-Newton Hessian of these rows is to the true one (its error ~ 1 / SIGMA_OFFSET).
+SIGMA_OFFSET = 50.0
+
+
+def residuals(model: JaxModel, ys, theta, y):
+    """The residuals of the measurements `y` `(M,)`: the normalised residuals `(M,)`
+    then the noise rows `(M,)` (see `SIGMA_OFFSET`); half their squared norm is the
+    negative log-likelihood up to a constant. Normal noise only (`least_squares_refusal`)."""
+    sim, sigma = rows(model, ys, theta)
+    z = jnp.zeros_like(sim)
+    for o in model.tables.observables:
+        at = o.rows
+        s, m = sim[at], y[at]
+        r = {"lin": lambda: s - m, "log": lambda: jnp.log(s) - jnp.log(m),
+             "log10": lambda: jnp.log10(s) - jnp.log10(m)}[o.transformation]()
+        z = z.at[at].set(r / sigma[at])
+    return jnp.concatenate([z, jnp.sqrt(jnp.log(2 * np.pi * sigma ** 2) + SIGMA_OFFSET)])
+
+
+def least_squares_refusal(model: JaxModel) -> str | None:
+    """Why the problem's objective is not a sum of squares, or None."""
+    laplace = [o.id for o in model.tables.observables if o.distribution != "normal"]
+    if laplace:
+        return f"observables {laplace} have Laplace noise (an absolute value, not a square)"
+    if model.tables.priors:
+        return f"parameters {sorted(model.tables.priors)} have objective priors"
+    return None
+
+
 def neg_llh(model: JaxModel, ys, theta, data):
     """The negative log-likelihood of `data["measurement"]`."""
     return jnp.sum(terms(model, ys, theta, data["measurement"])[0])

@@ -111,6 +111,12 @@ class PetabProblem:
         return (_likelihood.neg_llh(self.jax_model, ys, theta, data)
                 - _likelihood.log_prior(self.jax_model, theta))
 
+    def residuals(self, ys, theta, data):
+        """The least-squares form of `loss` for one fit: half the squared norm of
+        these is the negative log-likelihood plus a constant (`_likelihood.residuals`:
+        normal noise, no objective priors; `calibrator(least_squares=True)`)."""
+        return _likelihood.residuals(self.jax_model, ys, theta, data["measurement"])
+
     def log_prior(self, theta=None) -> float:
         """The log-prior at theta (default: nominal): the sum over the parameter
         table's objective priors (0.0 where it has none); see `priors`."""
@@ -263,12 +269,17 @@ class PetabProblem:
         return multistart(dict(self.lower), dict(self.upper), n_starts, key, scale=scale,
                           method=method)
 
-    def calibrator(self, starts, optimizer=None, **settings):
+    def calibrator(self, starts, optimizer=None, least_squares=False, **settings):
         """A `gs.Calibrator` fitting `starts` copies of the problem at once (the
         negative log-likelihood, each parameter on its PEtab scale within its bounds);
         `settings` go to `gs.Calibrator` (rtol, atol and ts are the problem's). Use:
         `cal.fit(prob.starts(starts, key), steps)`, then `prob.summary(result)`
         (docs/petab.md; tested in tests/test_petab.py).
+
+        `least_squares=True` fits the problem's `residuals` (its loss then differs
+        from the negative log-likelihood by a constant), by Levenberg-Marquardt unless
+        `optimizer` says otherwise; refused, with the reason, for Laplace noise and
+        objective priors.
         """
         if not isinstance(starts, int) or starts < 1:
             raise ValueError(f"starts must be a positive integer, got {starts!r}")
@@ -282,8 +293,15 @@ class PetabProblem:
             y0=jnp.tile(self.problem.y0, (starts, 1)),
             params=jnp.tile(self.problem.params, (starts, 1)))
         data = jax.tree.map(lambda x: jnp.broadcast_to(x, (starts,) + x.shape), self.data)
+        objective = {"loss": self.loss}
+        if least_squares:
+            why = _likelihood.least_squares_refusal(self.jax_model)
+            if why is not None:
+                raise PetabError(f"least_squares=True: the objective is not a sum of "
+                                 f"squares: {why}")
+            objective = {"residuals": self.residuals}
         return Calibrator(
-            prob, self.loss, to_params=self.to_params, data=data, optimizer=optimizer,
+            prob, **objective, to_params=self.to_params, data=data, optimizer=optimizer,
             to_y0=self.to_y0, transform=dict(self.transforms), rtol=self.rtol,
             atol=self.atol, max_steps=self.max_steps, ts=self.ts, **settings)
 
