@@ -23,6 +23,11 @@ SciPy's least squares, both in this process (issue 23).
   persistent cache is off here; a user's second run reads it from there): the table
   gives XLA's compile seconds apart.
 
+- petab: Boehm_JProteomeRes2014 from 20 Sobol starts inside its parameter table's
+  bounds, `calibrator(least_squares=True)` (Levenberg-Marquardt, 60 updates at most)
+  against `optax.adam(0.05)` (150 at most), one cold fit each; the best start's llh
+  against AMICI's reference llh.
+
     .venv/bin/python benchmarks/time_to_optimum.py [--quick]
 """
 
@@ -46,6 +51,12 @@ import multistart as recipe  # noqa: E402
 
 STARTS, RTOL, REFRESH, MATCH = 32, 1e-10, 50, 1e-8
 SCIPY_LIMIT = 60.0  # seconds per SciPy start (`time_limit`)
+# The PEtab section: a model of the benchmark collection (one condition; Fujita's six
+# took 4.4 s an LM update of 4 starts here, out of reach at 20), and per optimizer
+# (least_squares, optimizer, update cap per start).
+PETAB_MODEL, PETAB_STARTS = "Boehm_JProteomeRes2014", 20
+PETAB_RUNS = {"levenberg_marquardt": (True, None, 60),
+              "adam(0.05)": (False, optax.adam(0.05), 150)}
 PROFILE_RATE, PROFILE_POINTS, SPAN = "alpha", 20, 1.2
 # optimizer -> (its settings, update cap per start, grad_tol)
 OPTIMIZERS = {"levenberg_marquardt": (optx.LevenbergMarquardt,
@@ -216,11 +227,57 @@ def profile(args):
             "converged": int(np.asarray(prof.converged).sum()), "engine": prof.engine}
 
 
-SECTIONS = {"lynx_hare": lynx_hare, "profile": profile}
+def petab(args):
+    """A published model of the PEtab benchmark collection from `PETAB_STARTS` Sobol
+    starts: `calibrator(least_squares=True)` (Levenberg-Marquardt) against Adam, each
+    one fit from cold (its compiles given apart), the best start's llh by a fresh
+    simulation against AMICI's reference llh."""
+    from petab_collection import DATA, references
+
+    prob = gs.petab.load(next((DATA / "Benchmark-Models" / PETAB_MODEL).glob("*.yaml")))
+    S = 2 if args.quick else PETAB_STARTS
+    starts = prob.starts(S, jax.random.key(0))
+    out = {"model": PETAB_MODEL, "starts": S, "reference_llh": references()[PETAB_MODEL],
+           "nominal_llh": prob.llh(), "parameters": len(prob.parameter_ids)}
+    compiling = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **_: compiling.append(seconds)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    for name, (least_squares, optimizer, steps) in PETAB_RUNS.items():
+        steps = 5 if args.quick else steps
+        cal = prob.calibrator(S, optimizer, least_squares=least_squares)
+        compiling.clear()
+        t = time.perf_counter()
+        res = cal.fit(starts, steps=steps, progress=False)
+        seconds, compile_s = time.perf_counter() - t, sum(compiling)
+        best = res.best()
+        llh = prob.llh({k: float(best.theta[k]) for k in prob.parameter_ids})
+        out[name] = {"seconds": seconds, "compile_s": compile_s, "llh": llh,
+                     "gap": out["reference_llh"] - llh, "cap": steps,
+                     "steps": np.asarray(res.steps).tolist(), "engine": res.engine,
+                     "converged": int(np.asarray(res.converged).sum())}
+        log(f"  {name}: {seconds:.1f} s ({compile_s:.1f} s compiling), best llh "
+            f"{llh:.6f} (reference {out['reference_llh']:.6f})")
+    return out
+
+
+SECTIONS = {"lynx_hare": lynx_hare, "profile": profile, "petab": petab}
 
 
 def render(sections):
     blocks = {}
+    if "petab" in sections:
+        p = sections["petab"]
+        blocks["petab"] = (
+            f"{p['model']}, {p['starts']} starts, {p['parameters']} parameters; AMICI's "
+            f"reference llh {p['reference_llh']:.6f}, ours at the nominal parameters "
+            f"{p['nominal_llh']:.6f}.\n\n" + md_table(
+                ["optimizer", "s (of which XLA compiles)", "updates per start (median / max)",
+                 "converged", "best start's llh", "reference - best"],
+                [[f"{name} ({r['engine']})", f"{r['seconds']:.1f} ({r['compile_s']:.1f})",
+                  f"{np.median(r['steps']):.0f} / {max(r['steps'])} (cap {r['cap']})",
+                  f"{r['converged']} of {p['starts']}", f"{r['llh']:.6f}", f"{r['gap']:.2g}"]
+                 for name, r in ((n, p[n]) for n in PETAB_RUNS if n in p)]))
     if "profile" in sections:
         p = sections["profile"]
         blocks["profile"] = (
