@@ -41,7 +41,7 @@ from ..router import plan, refusal, request_for
 from ..status import Status
 from . import _driver, _least_squares, _profile, _validate
 from ._checkpoint import check_directory, check_every
-from ._objective import (MAX_UPDATES_PER_CALL, Objective, make_least_squares_update,
+from ._objective import (MAX_UPDATES_PER_CALL, Objective, make_optimistix_update,
                          make_update, make_updates)
 from ._state import FitState, FitStatus
 
@@ -114,8 +114,9 @@ class Calibrator:
             weight them out in the loss with a mask leaf of `data`.
         optimizer: an `optax.GradientTransformation`, run per fit under `vmap`, or,
             with `residuals`, a solver of optimistix's Gauss-Newton family
-            (`optx.LevenbergMarquardt`, `optx.GaussNewton`, `optx.Dogleg`), one step
-            per update per fit. Default: `optx.LevenbergMarquardt(rtol=1e-8,
+            (`optx.LevenbergMarquardt`, `optx.GaussNewton`, `optx.Dogleg`), or a
+            quasi-Newton minimiser of optimistix's (`optx.BFGS`), one step per update
+            per fit. Default: `optx.LevenbergMarquardt(rtol=1e-8,
             atol=1e-10)` with `residuals` (but for a network's field), else
             `optax.adam(1e-2)`. An optax transformation whose `update` takes optax's
             extra arguments gets them per fit: `value` and `grad` (the fit's loss and
@@ -245,16 +246,17 @@ class Calibrator:
                          if residuals is not None and not self.grows else optax.adam(1e-2))
         _least_squares.check_solver(optimizer, residuals)
         self.least_squares = _least_squares.is_least_squares(optimizer)
-        if not self.least_squares and not (callable(getattr(optimizer, "init", None))
-                                           and callable(getattr(optimizer, "update", None))):
+        self.optimistix = _least_squares.is_optimistix(optimizer)
+        if not self.optimistix and not (callable(getattr(optimizer, "init", None))
+                                        and callable(getattr(optimizer, "update", None))):
             raise TypeError("optimizer must be an optax.GradientTransformation or an "
-                            "optimistix least-squares solver (optx.LevenbergMarquardt)")
-        if self.least_squares and batch_size is not None:
+                            "optimistix solver (optx.LevenbergMarquardt, optx.BFGS)")
+        if self.optimistix and batch_size is not None:
             raise ValueError(
-                f"batch_size={batch_size} with optimizer={type(optimizer).__name__}: a "
-                f"least-squares step compares its trial point with the last on one "
-                f"objective, which minibatches change at every update; use an optax "
-                f"optimizer with minibatches")
+                f"batch_size={batch_size} with optimizer={type(optimizer).__name__}: its "
+                f"step compares a trial point with the last on one objective, which "
+                f"minibatches change at every update; use an optax optimizer with "
+                f"minibatches")
         self._growth = GROWTH if self.grows else 1.0
         if isinstance(refresh_every, str) and refresh_every == "auto":
             refresh_every = (auto_refresh_every(self.problem.n, batch_size) if self.grows
@@ -316,13 +318,13 @@ class Calibrator:
         # Traced once per shape: a refresh restarts the solver states through it.
         self._least_squares_init = eqx.filter_jit(_least_squares.init)
         self._update = eqx.filter_jit(make_updates(
-            make_least_squares_update(self.objective, self.optimizer, held, self._forward)
-            if self.least_squares else make_update(self.objective, self.optimizer, held)))
+            make_optimistix_update(self.objective, self.optimizer, held, self._forward)
+            if self.optimistix else make_update(self.objective, self.optimizer, held)))
 
     def _opt_init(self, u, static, mesh, y0, data):
         """The optimizer state of the fits at `u` (leaves lead with B); a
         least-squares solver's reads the fits' mesh rows, data and y0 (their shapes)."""
-        if not self.least_squares:
+        if not self.optimistix:
             return jax.vmap(self.optimizer.init)(u)
         return self._least_squares_init(self.objective, self.optimizer, u, static, mesh,
                                         data, y0, self._held, self._forward)

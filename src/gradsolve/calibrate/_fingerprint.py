@@ -84,7 +84,7 @@ def of(cal, state, static, theta0, K, tol, grad_tol) -> dict:
         abstract(state.u), mesh, abstract(cal.data), abstract(prob.y0))
     # With optax's extra arguments, as the update passes them (`_objective.make_update`):
     # a transformation that ignores them traces as without them.
-    if cal.least_squares:  # a step of the solver on a stand-in residual
+    if cal.optimistix:  # a step of the solver on a stand-in objective
         opt_jaxpr = _least_squares.fingerprint_jaxpr(cal.optimizer, jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), abstract(state.u)))
     else:

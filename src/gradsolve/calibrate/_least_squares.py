@@ -1,6 +1,7 @@
-"""Least-squares steps: optimistix's Gauss-Newton family (`optx.LevenbergMarquardt`,
-`optx.GaussNewton`, `optx.Dogleg`) driven one step per update, per fit, on the
-Calibrator's residuals (`Calibrator(..., residuals=...)`).
+"""Optimistix's steps: its Gauss-Newton family (`optx.LevenbergMarquardt`,
+`optx.GaussNewton`, `optx.Dogleg`) on the Calibrator's residuals (`Calibrator(...,
+residuals=...)`), and its quasi-Newton minimisers (`optx.BFGS`) on the scalar loss,
+driven one step per update, per fit.
 
 Each fit runs the solver's own `init` / `step` / `terminate` under `vmap`, its trial
 points evaluated on the fit's own rows of the same recorded mesh (so the objective is
@@ -45,16 +46,21 @@ def is_least_squares(optimizer) -> bool:
     return isinstance(optimizer, optx.AbstractLeastSquaresSolver)
 
 
+def is_optimistix(optimizer) -> bool:
+    """An optimistix solver (driven here), not an optax transformation."""
+    return isinstance(optimizer, (optx.AbstractLeastSquaresSolver, optx.AbstractMinimiser))
+
+
 def check_solver(optimizer, residuals):
     """Refuse, by name, an optimistix solver the Calibrator does not drive, and a
     least-squares solver without residuals."""
-    if isinstance(optimizer, optx.AbstractMinimiser) or (
-            is_least_squares(optimizer) and not isinstance(optimizer, optx.AbstractGaussNewton)):
+    if is_optimistix(optimizer) and not isinstance(
+            optimizer, (optx.AbstractGaussNewton, optx.AbstractQuasiNewton)):
         raise TypeError(
             f"optimizer={type(optimizer).__name__}: of optimistix's solvers the Calibrator "
             f"drives the Gauss-Newton family (optx.LevenbergMarquardt, optx.GaussNewton, "
-            f"optx.Dogleg) on residuals=; for a scalar loss use an optax transformation "
-            f"(optax.lbfgs() is L-BFGS with a line search)")
+            f"optx.Dogleg) on residuals= and the quasi-Newton minimisers (optx.BFGS); "
+            f"or use an optax transformation (optax.lbfgs() is L-BFGS with a line search)")
     if is_least_squares(optimizer) and residuals is None:
         raise TypeError(
             f"optimizer={type(optimizer).__name__} is a least-squares method: give the "
@@ -71,6 +77,21 @@ def _jacobian_by(forward, P, M):
     """`jax.jacfwd` (P tangents) when the engine serves forward mode and P <= M, else
     `jax.jacrev` (M cotangents)."""
     return "fwd" if forward and P <= M else "rev"
+
+
+def objective_fn(objective, solver, static, K, held, forward):
+    """optimistix's `fn(u_b, args) -> (out, None)` for one fit, `args = (b, mesh, data,
+    y0, rows)`: its residuals for a least-squares solver (`residual_fn`), else its
+    scalar loss, the leaves `held` (None, or a pytree of bools shaped as `u_b`'s
+    structure) without a gradient."""
+    if is_least_squares(solver):
+        return residual_fn(objective, static, K, held, forward)
+
+    def fn(u_b, args):
+        if held is not None:
+            u_b = jax.tree.map(lambda x, h: jax.lax.stop_gradient(x) if h else x, u_b, held)
+        return objective.fit_output(u_b, *args, static=static, K=K), None
+    return fn
 
 
 def residual_fn(objective, static, K, held, forward):
@@ -115,7 +136,7 @@ def init(objective, solver, u, static, mesh, data, y0, held, forward):
     (the solver reads the shapes only); its first step evaluates the fit at `u`."""
     B = jax.tree.leaves(u)[0].shape[0]
     K = y0.shape[0] // B
-    fn = residual_fn(objective, static, K, held, forward)
+    fn = objective_fn(objective, solver, static, K, held, forward)
 
     def one(u_b, b):
         args = (b, mesh, data, y0, None)
@@ -144,26 +165,29 @@ def make_step(objective, solver, held, forward):
 
     def step(state, static, mesh, data, y0, rows):
         B = state.active.shape[0]
-        fn = residual_fn(objective, static, y0.shape[0] // B, held, forward)
+        fn = objective_fn(objective, solver, static, y0.shape[0] // B, held, forward)
 
         def one(u_b, s, b):
             args = (b, mesh, data, y0, None if rows is None else rows[b][None])
             s = _with_static(solver, fn, u_b, args, s)
             u_b, s, _ = solver.step(fn, u_b, args, _OPTIONS, s, _TAGS)
             done, _ = solver.terminate(fn, u_b, args, _OPTIONS, s, _TAGS)
-            done = done | (s.num_steps_since_acceptance >= STALLED)
+            if hasattr(s, "num_steps_since_acceptance"):  # a trust region's
+                done = done | (s.num_steps_since_acceptance >= STALLED)
+            grad = (s.f_info.compute_grad() if is_least_squares(solver) else s.f_info.grad)
             return (u_b, eqx.filter(s, eqx.is_array), s.f_info.as_min(),
-                    optax.tree.norm(s.f_info.compute_grad()), done)
+                    optax.tree.norm(grad), done)
         return jax.vmap(one)(state.u, state.opt_state, jnp.arange(B))
     return step
 
 
 def fingerprint_jaxpr(solver, u_b):
-    """The jaxpr of one step of `solver` on a stand-in residual (`u` doubled) at
-    parameters shaped as `u_b`: its kind and constants (rtol, atol, its linear solver),
-    for the checkpoint fingerprint."""
+    """The jaxpr of one step of `solver` on a stand-in objective (residuals `u`
+    doubled, or their squared norm) at parameters shaped as `u_b`: its kind and
+    constants (rtol, atol, its linear solver), for the checkpoint fingerprint."""
     def fn(u, args):
-        return jax.tree.map(lambda x: 2.0 * x, u), None
+        r = jax.tree.map(lambda x: 2.0 * x, u)
+        return (r if is_least_squares(solver) else optax.tree.norm(r, squared=True)), None
 
     def one(u):
         return solver.step(fn, u, None, _OPTIONS, _init(solver, fn, u, None), _TAGS)[0]

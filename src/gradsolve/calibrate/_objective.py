@@ -5,8 +5,8 @@ time in one compiled loop (`make_updates`).
 Nothing here has a side effect or holds state between calls: the Calibrator builds
 these once from its settings and owns everything else -- slots, refreshes, drift
 checks, checkpoints, progress. Another kind of step is another `make_update` over the
-same `Objective`: `make_least_squares_update` runs optimistix's Gauss-Newton family on
-its residuals (`_least_squares`).
+same `Objective`: `make_optimistix_update` runs optimistix's Gauss-Newton family on
+its residuals and its quasi-Newton minimisers on its loss (`_least_squares`).
 
     update = make_update(objective, optax.adam(1e-2))
     updates = eqx.filter_jit(make_updates(update))
@@ -221,10 +221,10 @@ def _advance(state, move, u, opt_state, losses, grad_norm, finite, converged, ca
         update=state.update + 1), arr)
 
 
-def make_least_squares_update(objective: Objective, solver, held=None, forward=False):
-    """As `make_update`, for a least-squares solver of optimistix's Gauss-Newton
-    family on the objective's residuals (`_least_squares`): every active fit takes one
-    solver step (a rejected trial point counts as a step: the trust region shrinks);
+def make_optimistix_update(objective: Objective, solver, held=None, forward=False):
+    """As `make_update`, for an optimistix solver (`_least_squares`): the Gauss-Newton
+    family on the objective's residuals, a quasi-Newton minimiser on its loss. Every
+    active fit takes one solver step (a rejected trial point counts as a step);
     its loss and gradient norm are those of its accepted point after the step, and it
     converges by the solver's own test (`terminate`), or by `tol` / `grad_tol`."""
     step = _least_squares.make_step(objective, solver, held, forward)

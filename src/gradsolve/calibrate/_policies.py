@@ -92,7 +92,7 @@ class Refresh:
             return window
         failed = due & ~ok
         opt_state = ws.opt_state
-        if cal.least_squares:  # its trust region and last point were on the old mesh
+        if cal.optimistix:  # its trust region and last point were on the old mesh
             opt_state = _where(jnp.asarray(due), cal._opt_init(
                 ws.u, self.static, current, window.y0, window.data), opt_state)
         return window._replace(state=ws._replace(

@@ -54,7 +54,7 @@ def check_optimizer(optimizer, u_b):
     the update calls them: with optax's extra arguments (`value`, `grad`, `value_fn`:
     `optax.lbfgs`'s line search), which transformations that take none ignore
     (`optax.with_extra_args_support`). A failure is raised naming the parameters."""
-    if _least_squares.is_least_squares(optimizer):
+    if _least_squares.is_optimistix(optimizer):
         try:
             _least_squares.fingerprint_jaxpr(optimizer, u_b)
         except Exception as e:  # noqa: BLE001 - re-raised with the inputs named
