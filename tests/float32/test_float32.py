@@ -202,3 +202,25 @@ def test_every_engine_differentiates_in_float32(small_lorenz, engine):
 def test_multistart_starts_are_float32():
     theta0 = gs.multistart({"k": 1e-3}, {"k": 1e3}, 8, jax.random.key(0))
     assert theta0["k"].dtype == jnp.float32
+
+
+def test_levenberg_marquardt_fits_in_float32():
+    """Residuals (Levenberg-Marquardt, the Jacobian by forward mode) in float32:
+    y' = -k y from amplitudes a and 2a, observed exactly, three fits. Measured: k and
+    a within 2.4e-7 relative of the truth (4 roundoffs), 15-20 updates, all converged;
+    bound 3e-6."""
+    B, K = 3, 2
+    ts = jnp.linspace(0.25, 2.0, 8)
+    k_true, a_true = jnp.array([0.5, 1.0, 2.0]), jnp.array([1.5, 0.7, 3.0])
+    data = (a_true[:, None] * jnp.array([1.0, 2.0]))[:, :, None, None] * jnp.exp(
+        -k_true[:, None, None, None] * ts[None, None, :, None])
+    prob = gs.EnsembleProblem(f_jax=lambda t, y, p: -p["k"] * y, y0=jnp.ones((B * K, 1)),
+                              params={"k": jnp.ones(B * K)}, t_span=(0.0, 2.0))
+    cal = gs.Calibrator(prob, residuals=lambda ys, th, d: (ys - d).ravel(),
+                        to_params=lambda th: {"k": jnp.full(K, th["k"])},
+                        to_y0=lambda th: th["a"] * jnp.array([[1.0], [2.0]]), data=data,
+                        ts=ts, transform={"k": gs.transforms.Positive(), "a": None})
+    res = cal.fit({"k": jnp.full(B, 1.2), "a": jnp.full(B, 1.0)}, steps=40, progress=False)
+    assert res.theta["k"].dtype == jnp.float32 and res.converged.all(), res.steps
+    np.testing.assert_allclose(res.theta["k"], k_true, rtol=3e-6)
+    np.testing.assert_allclose(res.theta["a"], a_true, rtol=3e-6)
