@@ -129,12 +129,11 @@ def resolve_interpolate(method, interpolate, ts, served=True) -> bool:
 
 def make_config(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STEPS,
                 ts=None, remat=None, interpolate=None, devices=None, memory_budget=None,
-                buckets=None, splits=True, interpolates=True, n=None) -> Config:
+                buckets=None, splits=True, interpolates=True) -> Config:
     """Validate every setting against `prob` and return a `Config`. `splits`: the
     engine runs on several devices (else the default `devices=None` means one);
     `interpolates`: it serves `ts` from a continuous extension (`interpolate=None`
-    resolves against it); `n`: the rows the devices share (default `prob.n`; a
-    replay of a piece of the ensemble has fewer)."""
+    resolves against it)."""
     rtol, atol = check_tolerances(rtol, atol)
     method = methods.default_for(prob.stiff) if method is None else method
     m = check_method(prob, method)
@@ -147,7 +146,7 @@ def make_config(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STE
     return Config(rtol=rtol, atol=atol, method=method, dt0=check_dt0(dt0, prob.n),
                   max_steps=int(max_steps), ts=ts, remat=bool(remat),
                   interpolate=resolve_interpolate(m, interpolate, ts, interpolates),
-                  devices=layout.device_mesh(devices, prob.n if n is None else n)
+                  devices=layout.device_mesh(devices, prob.n)
                   if splits or devices is not None else None,
                   memory_budget=layout.budget_bytes(memory_budget),
                   buckets=layout.check_buckets(buckets),
