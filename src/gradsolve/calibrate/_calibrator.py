@@ -318,7 +318,8 @@ class Calibrator:
         # Traced once per shape: a refresh restarts the solver states through it.
         self._least_squares_init = eqx.filter_jit(_least_squares.init)
         self._update = eqx.filter_jit(make_updates(
-            make_optimistix_update(self.objective, self.optimizer, held, self._forward)
+            make_optimistix_update(self.objective, self.optimizer, held, self._forward,
+                                   self.refresh_every if self.least_squares else None)
             if self.optimistix else make_update(self.objective, self.optimizer, held)))
 
     def _opt_init(self, u, static, mesh, y0, data):

@@ -221,18 +221,26 @@ def _advance(state, move, u, opt_state, losses, grad_norm, finite, converged, ca
         update=state.update + 1), arr)
 
 
-def make_optimistix_update(objective: Objective, solver, held=None, forward=False):
+def make_optimistix_update(objective: Objective, solver, held=None, forward=False,
+                           settle=None):
     """As `make_update`, for an optimistix solver (`_least_squares`): the Gauss-Newton
     family on the objective's residuals, a quasi-Newton minimiser on its loss. Every
     active fit takes one solver step (a rejected trial point counts as a step);
     its loss and gradient norm are those of its accepted point after the step, and it
-    converges by the solver's own test (`terminate`), or by `tol` / `grad_tol`."""
+    converges by the solver's own test (`terminate`), or by `tol` / `grad_tol`.
+
+    `settle`: None, or the refresh interval: the solver's own test counts only after
+    the fit's first refresh (more than `settle` updates), so that a fit quick to
+    converge confirms its optimum on a mesh recorded there, not on the one recorded at
+    its start."""
     step = _least_squares.make_step(objective, solver, held, forward)
 
     def update(state: FitState, static, mesh, data, y0, start, tol, grad_tol, cap,
                arr=None):
         u, opt_state, losses, grad_norm, converged = step(state, static, mesh, data, y0,
                                                           None)
+        if settle is not None:
+            converged = converged & (state.steps + 1 > settle)
         finite = jnp.isfinite(losses) & jnp.isfinite(grad_norm)
         if tol is not None:
             converged = converged | (losses <= tol)
