@@ -315,8 +315,6 @@ class Calibrator:
         parameters) at their starting values: a profile's fixed leaf
         (`_objective.make_update`)."""
         self._held = held
-        # Traced once per shape: a refresh restarts the solver states through it.
-        self._least_squares_init = eqx.filter_jit(_least_squares.init)
         self._update = eqx.filter_jit(make_updates(
             make_optimistix_update(self.objective, self.optimizer, held, self._forward,
                                    self.refresh_every if self.least_squares else None)
@@ -327,8 +325,8 @@ class Calibrator:
         least-squares solver's reads the fits' mesh rows, data and y0 (their shapes)."""
         if not self.optimistix:
             return jax.vmap(self.optimizer.init)(u)
-        return self._least_squares_init(self.objective, self.optimizer, u, static, mesh,
-                                        data, y0, self._held, self._forward)
+        return _least_squares.init(self.objective, self.optimizer, u, static, mesh, data,
+                                   y0, self._held, self._forward)
 
     # -- records --------------------------------------------------------------------
 

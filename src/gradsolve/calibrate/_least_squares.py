@@ -131,6 +131,7 @@ def residual_fn(objective, static, K, held, forward):
     return fn
 
 
+@eqx.filter_jit  # traced once per shape: every refresh restarts solver states here
 def init(objective, solver, u, static, mesh, data, y0, held, forward):
     """The solver's state of every fit (leaves lead with B) at `u`: nothing is replayed
     (the solver reads the shapes only); its first step evaluates the fit at `u`."""
