@@ -68,7 +68,8 @@ AUTO_REFRESH_RANGE = (5, 50)
 # refreshing every 50 updates (the converged fits then never refreshed) left the best
 # fit 1.6e-6 from SciPy's loss and 1e-6 from its parameters; every 10, 1.3e-8 and
 # 3e-8, in 320 updates and 13.6 s with compiles (22 s every 50: fewer updates, same
-# compiles; each refresh restarts the fit's trust region).
+# compiles; each refresh evaluates the fit anew, its first update after one a
+# re-evaluation).
 LEAST_SQUARES_REFRESH = 10
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _slots
+from . import _least_squares, _slots
 from ._checkpoint import Schedule
 from ._objective import _where
 from ._state import FitStatus
@@ -92,9 +92,10 @@ class Refresh:
             return window
         failed = due & ~ok
         opt_state = ws.opt_state
-        if cal.optimistix:  # its trust region and last point were on the old mesh
-            opt_state = _where(jnp.asarray(due), cal._opt_init(
-                ws.u, self.static, current, window.y0, window.data), opt_state)
+        if cal.optimistix:  # its point and Jacobian were evaluated on the old mesh
+            started = _least_squares.restart(opt_state, cal._opt_init(
+                ws.u, self.static, current, window.y0, window.data))
+            opt_state = _where(jnp.asarray(due), started, opt_state)
         return window._replace(state=ws._replace(
             mesh=_slots.adopt(ws.mesh, fresh, due, K, cal._growth), opt_state=opt_state,
             refreshes=ws.refreshes + 1,
