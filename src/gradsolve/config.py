@@ -127,14 +127,22 @@ def resolve_interpolate(method, interpolate, ts, served=True) -> bool:
     return ts is not None and served and method.dense_order >= AUTO_INTERPOLATE_ORDER
 
 
-def make_config(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STEPS,
-                ts=None, remat=None, interpolate=None, devices=None, memory_budget=None,
-                buckets=None, splits=True, interpolates=True) -> Config:
+def make_config(prob, *, rtol=None, atol=None, method=None, dt0=None,
+                max_steps=DEFAULT_MAX_STEPS, ts=None, remat=None, interpolate=None,
+                devices=None, memory_budget=None, buckets=None, splits=True,
+                interpolates=True, n=None, mesh=None) -> Config:
     """Validate every setting against `prob` and return a `Config`. `splits`: the
     engine runs on several devices (else the default `devices=None` means one);
     `interpolates`: it serves `ts` from a continuous extension (`interpolate=None`
-    resolves against it)."""
-    rtol, atol = check_tolerances(rtol, atol)
+    resolves against it); `n`: the rows the devices share (default `prob.n`; a
+    replay of a piece of the ensemble has fewer); `mesh`: a replay's recorded
+    `Mesh`, whose method and tolerances replace `method`, `rtol` and `atol` (the
+    tolerances carried as recorded, not validated: the replay reads none, and a
+    fixed-step mesh built by hand holds 0)."""
+    if mesh is None:
+        rtol, atol = check_tolerances(rtol, atol)
+    else:
+        rtol, atol, method = float(mesh.rtol), float(mesh.atol), mesh.method
     method = methods.default_for(prob.stiff) if method is None else method
     m = check_method(prob, method)
     check_interpolate(m, interpolate)
@@ -146,7 +154,7 @@ def make_config(prob, *, rtol, atol, method, dt0=None, max_steps=DEFAULT_MAX_STE
     return Config(rtol=rtol, atol=atol, method=method, dt0=check_dt0(dt0, prob.n),
                   max_steps=int(max_steps), ts=ts, remat=bool(remat),
                   interpolate=resolve_interpolate(m, interpolate, ts, interpolates),
-                  devices=layout.device_mesh(devices, prob.n)
+                  devices=layout.device_mesh(devices, prob.n if n is None else n)
                   if splits or devices is not None else None,
                   memory_budget=layout.budget_bytes(memory_budget),
                   buckets=layout.check_buckets(buckets),

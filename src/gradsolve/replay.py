@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from . import layout, methods
-from .config import Config, check_interpolate, check_ts, default_remat, resolve_interpolate
+from .config import check_interpolate, check_ts, make_config
 from .mesh import Mesh, guarded_from
-from .problem import as_problem, evaluation_size, field, param_axes
+from .problem import as_problem, field, param_axes
 from .status import Status
 
 # The replays by name other than the JAX replay below: `name -> run(prob, mesh, params,
@@ -89,18 +89,12 @@ def replay(prob, mesh: Mesh, params=None, y0=None, ts=None, remat=None,
         if devices is not None and layout.size(layout.device_mesh(devices)) > 1:
             raise ValueError(f"engine={engine!r} runs on one device (devices=)")
         return ENGINE_REPLAYS[engine](prob, mesh, params, y0, ts, interpolate)
-    if remat is None:
-        remat = default_remat(method, prob)
-    interpolate = resolve_interpolate(method, interpolate, ts)
     n = jnp.shape(y0)[0]  # (not prob.n: an engine may replay a piece of the ensemble)
-    cfg = Config(rtol=mesh.rtol, atol=mesh.atol, method=mesh.method, ts=ts, remat=bool(remat),
-                 interpolate=interpolate, devices=layout.device_mesh(devices, n),
-                 memory_budget=layout.budget_bytes(memory_budget),
-                 buckets=layout.check_buckets(buckets),
-                 evaluation_size=0 if remat else evaluation_size(prob))
+    cfg = make_config(prob, mesh=mesh, ts=ts, remat=remat, interpolate=interpolate,
+                      devices=devices, memory_budget=memory_budget, buckets=buckets, n=n)
     arr = layout.for_replay(mesh, n, cfg, prob.d, jnp.dtype(y0.dtype).itemsize)
-    return arranged_replay(prob.f_jax, method, mesh, params, y0, ts, bool(remat),
-                           interpolate, arr)
+    return arranged_replay(prob.f_jax, method, mesh, params, y0, cfg.ts, cfg.remat,
+                           cfg.interpolate, arr)
 
 
 @eqx.filter_jit
