@@ -79,7 +79,7 @@ def test_a_fit_is_the_same_in_any_slot_and_resumes_bit_for_bit(decay_fit, tmp_pa
     assert_same_state(resumed.state, res.state)
 
 
-def test_a_refresh_keeps_the_trust_regions_radius():
+def test_a_refresh_keeps_the_trust_regions_radius(decay_fit):
     # A refresh evaluates the fit anew on its fresh mesh (optimistix's first step: an
     # evaluation, no move) and keeps the trust region's radius (Levenberg-Marquardt's
     # damping). So 6 updates refreshing at 4 end with the radius of 5 updates without
@@ -89,7 +89,7 @@ def test_a_refresh_keeps_the_trust_regions_radius():
     # Boehm_JProteomeRes2014 that left 0 of 8 starts converged in 100 updates
     # (124 s), against 5 of 8 (54 s) keeping it.
     refreshed = _decay(refresh_every=4).fit(THETA0, steps=6, progress=False)
-    plain = _decay(refresh_every=None).fit(THETA0, steps=5, progress=False)
+    plain = decay_fit[0].fit(THETA0, steps=5, progress=False)  # its refresh at 10
     assert int(refreshed.refreshes) == 1
     radius = [np.asarray(r.state.opt_state.search_state.step_size) for r in (refreshed, plain)]
     np.testing.assert_array_equal(*radius)
