@@ -53,14 +53,16 @@ def decay_fit():
 
 def test_levenberg_marquardt_is_the_default_and_reaches_the_closed_form(decay_fit):
     # y' = -k y from a and 2a, observed exactly: the optimum is (k, a) itself, loss 0.
-    # Measured: 11-13 updates per fit (its own test counts after the first refresh,
-    # at 10; Adam at 0.05: 356-399 to a loss of 1e-18), k within 3.1e-12 and a within
-    # 1.6e-12 relative of the truth at rtol 1e-10 (the replay's accuracy; bound
-    # 3e-11), losses 5e-23 to 3.7e-21.
+    # Measured: 11-13 updates per fit at the suite's XLA level 0, 11-17 at XLA's
+    # default (its own test counts after the first refresh, at 10; the update after
+    # it evaluates the fit anew, then an accepted step or 5 trials rejected in a row
+    # at a rounding-level loss end it; bound 20. Adam at 0.05: 356-399 to a loss of
+    # 1e-18), k within 2.9e-12 and a within 4.7e-12 relative of the truth at rtol
+    # 1e-10 (the replay's accuracy; bound 3e-11), losses 5e-23 to 3.7e-21.
     cal, res = decay_fit
     assert isinstance(cal.optimizer, optx.LevenbergMarquardt)
     assert (np.asarray(res.status) == gs.calibrate.FitStatus.CONVERGED).all(), res.status
-    assert np.asarray(res.steps).max() <= 15, res.steps
+    assert np.asarray(res.steps).max() <= 20, res.steps
     assert rel_err(res.theta["k"], K_TRUE) < 3e-11
     assert rel_err(res.theta["a"], A_TRUE) < 3e-11
     # The loss is half the residuals' squared norm (the scalar form of the same fit).
