@@ -40,6 +40,16 @@ def rows(model: JaxModel, ys, theta):
     return sim, sigma
 
 
+def _residual(transformation, s, m):
+    """The residual of simulated `s` against measured `m` on the observable's scale,
+    and the log of that scale's Jacobian at `m` (the likelihood's change of variables)."""
+    if transformation == "lin":
+        return s - m, 0.0
+    if transformation == "log":
+        return jnp.log(s) - jnp.log(m), jnp.log(m)
+    return jnp.log10(s) - jnp.log10(m), jnp.log(m * np.log(10.0))
+
+
 def terms(model: JaxModel, ys, theta, y):
     """Per-row negative log-likelihood and squared normalised residual of the
     measurements `y` `(M,)`."""
@@ -48,13 +58,8 @@ def terms(model: JaxModel, ys, theta, y):
     chi2 = jnp.zeros_like(sim)
     for o in model.tables.observables:
         at = o.rows
-        s, m, sd = sim[at], y[at], sigma[at]
-        if o.transformation == "lin":
-            r, jac = s - m, 0.0
-        elif o.transformation == "log":
-            r, jac = jnp.log(s) - jnp.log(m), jnp.log(m)
-        else:
-            r, jac = jnp.log10(s) - jnp.log10(m), jnp.log(m * np.log(10.0))
+        sd = sigma[at]
+        r, jac = _residual(o.transformation, sim[at], y[at])
         z = r / sd
         if o.distribution == "normal":
             term = 0.5 * jnp.log(2 * np.pi * sd ** 2) + jac + 0.5 * z ** 2
@@ -82,9 +87,7 @@ def residuals(model: JaxModel, ys, theta, y):
     z = jnp.zeros_like(sim)
     for o in model.tables.observables:
         at = o.rows
-        s, m = sim[at], y[at]
-        r = {"lin": lambda: s - m, "log": lambda: jnp.log(s) - jnp.log(m),
-             "log10": lambda: jnp.log10(s) - jnp.log10(m)}[o.transformation]()
+        r, _ = _residual(o.transformation, sim[at], y[at])
         z = z.at[at].set(r / sigma[at])
     return jnp.concatenate([z, jnp.sqrt(jnp.log(2 * np.pi * sigma ** 2) + SIGMA_OFFSET)])
 
