@@ -63,9 +63,10 @@ def test_robertson_rates_recover_k1_k3_within_five_percent():
 def test_neural_robertson_gradient_and_training():
     # The MLP's gradient on the recorded stiff mesh equals central differences on the
     # same mesh for the largest-gradient weight of the first and last layers (1e-6:
-    # eps 1e-5 on weights of size ~0.3, the loss smooth in them), and 40 Adam updates
-    # on the recipe's engine (kernel_adjoint, Rosenbrock23) lower the loss below half
-    # (measured 0.44 of the first loss).
+    # eps 1e-5 on weights of size ~0.3, the loss smooth in them), and 20 Adam updates
+    # on the recipe's engine (kernel_adjoint, Rosenbrock23) lower the loss below 0.6 of
+    # the first (measured 0.558; 0.44 after 40). 20, not 40: at the suite's Warp
+    # level 0 an update of this kernel takes ~0.2 s (~10 ms at the default -O3).
     prob, to_params, loss, data, theta0 = neural_robertson.build(K=2)
     ts = neural_robertson.TS
     mlp = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
@@ -89,8 +90,8 @@ def test_neural_robertson_gradient_and_training():
     cal = gs.Calibrator(prob, loss, to_params=to_params, data=data, ts=ts,
                         optimizer=optax.adam(3e-3), engine="kernel_adjoint",
                         **neural_robertson.SETTINGS)
-    res = cal.fit(theta0, steps=40, progress=False)
-    assert res.engine == "kernel_adjoint" and res.loss[0] < 0.5 * res.history[0, 0]
+    res = cal.fit(theta0, steps=20, progress=False)
+    assert res.engine == "kernel_adjoint" and res.loss[0] < 0.6 * res.history[0, 0]
 
 
 def test_neural_spiral_training_lowers_the_loss():
