@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import gradsolve as gs  # noqa: E402
-from gradsolve import layout  # noqa: E402
+from gradsolve.layout import _devices  # noqa: E402
 
 
 def lorenz_problem(n=37):
@@ -41,22 +41,23 @@ def loss(ys, p):
 
 
 class _RecordedRows:
-    """The rows this process hands the recorders (`layout.row_pieces` of a record)
-    inside a `with`: its share of the work, as the recorders receive it."""
+    """The rows this process hands the recorders (`layout.row_pieces` of a record, as
+    `layout.by_rows` cuts them) inside a `with`: its share of the work, as the
+    recorders receive it."""
 
     def __enter__(self):
-        self.rows, self._real = [], layout.row_pieces
+        self.rows, self._real = [], _devices.row_pieces
 
         def spy(n, cfg, per_row, what):
             pieces = self._real(n, cfg, per_row, what)
             if what == "record":
                 self.rows.extend(rows for rows, _ in pieces)
             return pieces
-        layout.row_pieces = spy
+        _devices.row_pieces = spy
         return self
 
     def __exit__(self, *exc):
-        layout.row_pieces = self._real
+        _devices.row_pieces = self._real
 
     def unique(self):
         return np.unique(np.concatenate(self.rows))

@@ -3,9 +3,7 @@ one, and warp/, the fused one), and `record_rows`, which runs any engine's recor
 over this process's rows in memory-bounded chunks."""
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import layout
 from .config import DEFAULT_MAX_STEPS
@@ -66,27 +64,18 @@ def record_rows(engine, prob, cfg, params=None, y0=None) -> Mesh:
     process's devices by the engine."""
     params = prob.params if params is None else params
     y0 = prob.y0 if y0 is None else jnp.asarray(y0)
-    n = y0.shape[0]
-    pieces = layout.row_pieces(n, cfg, engine.row_bytes(prob, cfg), "record")
-    if len(pieces) == 1 and pieces[0][0].size == n:
-        return engine.record(prob, cfg, params=params, y0=y0)
-    # The chunks' meshes joined on the host as they come (one host copy of the mesh,
-    # grown when a chunk is wider), then moved to the device once.
-    lo = pieces[0][0][0]
-    h = counts = None
-    for rows, sub in pieces:
-        part = engine.record(prob, sub, params=trajectory_params(params, rows), y0=y0[rows])
-        if h is None:
-            h = np.zeros((pieces[-1][0][-1] + 1 - lo, part.columns), part.h.dtype)
-            counts = {k: np.zeros(h.shape[0], getattr(part, k).dtype)
-                      for k in ("n_steps", "n_rejected", "status")}
-            first = part
-        if part.columns > h.shape[1]:
-            h = np.pad(h, ((0, 0), (0, part.columns - h.shape[1])))
-        h[rows - lo, :part.columns] = np.asarray(part.h)
-        for k in counts:
-            counts[k][rows - lo] = np.asarray(getattr(part, k))
-        del part
-    mesh = eqx.tree_at(lambda m: (m.h, m.n_steps, m.n_rejected, m.status), first,
-                       (jnp.asarray(h), *(jnp.asarray(counts[k]) for k in counts)))
-    return layout.gather_processes(mesh, n) if jax.process_count() > 1 else mesh
+    first = []  # the first chunk's mesh: the rest of the Mesh (its span, method, ...)
+
+    def run(rows, sub):
+        part = engine.record(prob, sub, params=params if rows is None else
+                             trajectory_params(params, rows),
+                             y0=y0 if rows is None else y0[rows])
+        if not first:
+            first.append(part)
+        return part.h, part.n_steps, part.n_rejected, part.status
+    h, *counts = layout.by_rows(y0.shape[0], cfg, engine.row_bytes(prob, cfg), "record",
+                                run)
+    if h is first[0].h:  # the whole ensemble in one piece: its mesh as recorded
+        return first[0]
+    return eqx.tree_at(lambda m: (m.h, m.n_steps, m.n_rejected, m.status), first[0],
+                       (jnp.asarray(h), *(jnp.asarray(c) for c in counts)))

@@ -66,16 +66,10 @@ def solve_rows(engine, prob, cfg):
     """`engine.solve` of every trajectory: this process's rows (the others' come from
     their processes), in chunks under `cfg.memory_budget` where the engine says what a
     row costs (`Engine.row_bytes`)."""
-    n = prob.n
-    pieces = layout.row_pieces(n, cfg, engine.row_bytes(prob, cfg), "solve")
-    if len(pieces) == 1 and pieces[0][0].size == n:
-        return engine.solve(prob, cfg)
-    pieces = [[np.asarray(x) for x in engine.solve(
-        prob.replace(y0=prob.y0[rows], params=trajectory_params(prob.params, rows)), sub)]
-        for rows, sub in pieces]
-    out = [np.concatenate(parts) for parts in zip(*pieces)]
-    if jax.process_count() > 1:
-        out = layout.gather_rows(out, n)
+    def run(rows, sub):
+        return engine.solve(prob if rows is None else prob.replace(
+            y0=prob.y0[rows], params=trajectory_params(prob.params, rows)), sub)
+    out = layout.by_rows(prob.n, cfg, engine.row_bytes(prob, cfg), "solve", run)
     return tuple(jnp.asarray(x) for x in out)
 
 

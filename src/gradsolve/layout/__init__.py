@@ -30,8 +30,8 @@ model), `_arrangement.py` (the plan) and `_run.py` (running a replay through it)
 from ._devices import (  # noqa: F401
     AXIS,
     MIN_ROWS_PER_DEVICE,
+    by_rows,
     device_mesh,
-    gather_processes,
     gather_rows,
     local_mesh,
     own_rows,

@@ -6,7 +6,6 @@ import dataclasses
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils as mu
 from jax.sharding import PartitionSpec
@@ -78,7 +77,7 @@ def local_mesh(dmesh):
 
 def own_rows(n: int) -> tuple[int, int]:
     """The rows `[lo, hi)` this process records: all of them in one process, else the
-    process's equal share, in process order (`gather_processes` joins them)."""
+    process's equal share, in process order (`gather_rows` joins them)."""
     P, p = jax.process_count(), jax.process_index()
     m = -(-n // P)
     lo, hi = min(n, p * m), min(n, (p + 1) * m)
@@ -104,6 +103,33 @@ def row_pieces(n: int, cfg, per_row: int | None, what: str):
     return pieces
 
 
+def by_rows(n: int, cfg, per_row: int | None, what: str, run):
+    """`run(rows, cfg)` (a tuple of arrays, rows first) over this process's rows in
+    the chunks of `row_pieces`, joined into all n rows: `rows` is None for the whole
+    ensemble in one piece (one process, one chunk: `run`'s arrays are returned as they
+    are), else a chunk's row indices with its `cfg`. The chunks are joined on the host
+    as they come -- one host copy of the result, a 2-D array (a mesh's `h`) widened
+    with zeros when a chunk is wider -- then joined over processes (`gather_rows`)."""
+    pieces = row_pieces(n, cfg, per_row, what)
+    if len(pieces) == 1 and pieces[0][0].size == n:
+        return run(None, cfg)
+    lo, out = pieces[0][0][0], None
+    for rows, sub in pieces:
+        part = [np.asarray(x) for x in run(rows, sub)]
+        if out is None:
+            out = [np.zeros((pieces[-1][0][-1] + 1 - lo,) + x.shape[1:], x.dtype)
+                   for x in part]
+        for i, x in enumerate(part):
+            if x.ndim != 2:
+                out[i][rows - lo] = x
+                continue
+            if x.shape[1] > out[i].shape[1]:
+                out[i] = np.pad(out[i], ((0, 0), (0, x.shape[1] - out[i].shape[1])))
+            out[i][rows - lo, :x.shape[1]] = x
+        del part
+    return gather_rows(out, n) if jax.process_count() > 1 else out
+
+
 def gather_rows(arrays, n: int):
     """Every process's `own_rows` part of each array (rows first) joined into all n
     rows, on every process: a collective, every process calls it with its own parts.
@@ -118,14 +144,6 @@ def gather_rows(arrays, n: int):
             pad[1] = (0, width - x.shape[1])
         out.append(np.asarray(mu.process_allgather(np.pad(x, pad), tiled=True))[:n])
     return out
-
-
-def gather_processes(mesh, n: int):
-    """Every process's rows of a mesh joined into the mesh of all n rows, on every
-    process (`gather_rows`)."""
-    parts = gather_rows([mesh.h, mesh.n_steps, mesh.n_rejected, mesh.status], n)
-    return eqx.tree_at(lambda t: (t.h, t.n_steps, t.n_rejected, t.status), mesh,
-                       tuple(jnp.asarray(x) for x in parts))
 
 
 def size(dmesh) -> int:
