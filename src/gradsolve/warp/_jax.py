@@ -9,7 +9,10 @@ element).
 
 On the CPU the call goes through XLA's FFI: `fn` reads XLA's input buffers in place
 (Warp arrays wrapping their pointers, seen as NumPy views) and its results are
-copied into XLA's output buffers. `jax.pure_callback` costs ~110 us more per call
+copied into XLA's output buffers -- or, for a host function that takes `out=` (NumPy
+views of those buffers, `writes_into`), written there by `fn` itself, once: the
+in-kernel adjoint's stored states live in XLA's buffer only, not also in a host
+array they are copied from. `jax.pure_callback` costs ~110 us more per call
 and a `device_put` of every result: the Lorenz gradient through it took 0.5-5 ms
 longer, n = 8 to 8192 (benchmarks/kernel_adjoint.py, column "ka via pure_callback").
 Elsewhere (a GPU, where `fn` copies to and from the device itself) it is
@@ -54,7 +57,7 @@ def call(fn, results, *args, name: str, bridge: str | None = None):
     signature = [(np.shape(a), np.dtype(a.dtype).name) for a in args] + \
         [(tuple(r.shape), np.dtype(r.dtype).name) for r in results]
     key = _key(f"{name}|{signature}")
-    _FUNCTIONS[key] = fn, [np.shape(a) for a in args]
+    _FUNCTIONS[key] = fn, [np.shape(a) for a in args], [tuple(r.shape) for r in results]
     # Warp arrays have at least one axis: scalars travel as one-element arrays.
     args = [jnp.reshape(a, (1,)) if np.ndim(a) == 0 else a for a in args]
     target = _target(tuple((np.ndim(a), np.dtype(a.dtype).name) for a in args),
@@ -87,12 +90,27 @@ def default_bridge() -> str:
     return "ffi" if both_cpu else "callback"
 
 
+def writes_into(fn):
+    """Mark the host function `fn(*args, out=None)` as one that, given `out` (one
+    writable NumPy array per result, in XLA's output buffers on the FFI bridge), writes
+    its results there and returns them; without `out` (the callback bridge) it
+    returns new arrays."""
+    fn.writes_into = True
+    return fn
+
+
 def _run(key, args, outs):
     """The body of every FFI target: run the host function on views of XLA's buffers
-    and copy its results into XLA's output buffers."""
-    fn, shapes = _FUNCTIONS[key]
+    and copy its results into XLA's output buffers (or have it write them there,
+    `writes_into`)."""
+    fn, shapes, result_shapes = _FUNCTIONS[key]
+    inputs = [a.numpy().reshape(shape) for a, shape in zip(args, shapes)]
     try:
-        values = fn(*[a.numpy().reshape(shape) for a, shape in zip(args, shapes)])
+        if getattr(fn, "writes_into", False):
+            fn(*inputs, out=[o.numpy().reshape(shape) for o, shape in
+                             zip(outs, result_shapes, strict=True)])
+            return
+        values = fn(*inputs)
     except Exception:
         raise  # Warp returns it to XLA as the call's error
     except BaseException as err:

@@ -132,7 +132,7 @@ def _shape(param: Param, sizes) -> tuple:
 
 
 def run(kernel, signature: Signature, values: dict, *, n: int, dtype, lanes: int,
-        budget: int, sizes: dict | None = None, rows=None):
+        budget: int, sizes: dict | None = None, rows=None, into: dict | None = None):
     """Launch `kernel` over trajectories `rows` (default: all `n`).
 
     Args:
@@ -147,6 +147,9 @@ def run(kernel, signature: Signature, values: dict, *, n: int, dtype, lanes: int
             run one after another.
         sizes: the values of the named entries of outputs' and block sums' shapes.
         rows: indices of the trajectories to run.
+        into: host arrays, by output name, that outputs are written into (zeroed
+            first) instead of new ones: the buffers a caller keeps them in (XLA's
+            output buffers, `_jax.call`), so they are written once.
 
     Returns:
         `signature.Outputs`: each output `(len(rows), *shape)`, each block_sum summed
@@ -164,8 +167,20 @@ def run(kernel, signature: Signature, values: dict, *, n: int, dtype, lanes: int
     for p in signature.params:
         if p.role == "per_trajectory" and host[p.name].shape[0] != n:
             raise ValueError(f"{p.name}: {host[p.name].shape[0]} rows, expected {n}")
-    outs = {p.name: np.zeros((len(rows), *_shape(p, sizes)), _host(p, dtype))
-            for p in signature.params if p.role == "output"}
+    outs = {}
+    for p in signature.params:
+        if p.role != "output":
+            continue
+        shape, kind = (len(rows), *_shape(p, sizes)), _host(p, dtype)
+        given = (into or {}).get(p.name)
+        if given is None:
+            outs[p.name] = np.zeros(shape, kind)
+            continue
+        if given.shape != shape or given.dtype != kind or not given.flags.c_contiguous:
+            raise ValueError(f"{p.name}: into a {given.dtype} array of shape {given.shape}, "
+                             f"expected a contiguous {kind} array of shape {shape}")
+        given[...] = 0
+        outs[p.name] = given
     # Per block_sum, per block of BLOCK trajectories (by its first row): the block's sum.
     partial = {p.name: {} for p in signature.params if p.role == "block_sum"}
 
