@@ -73,9 +73,6 @@ def record_rows(engine, prob, cfg, params=None, y0=None) -> Mesh:
         if not first:
             first.append(part)
         return part.h, part.n_steps, part.n_rejected, part.status
-    h, *counts = layout.by_rows(y0.shape[0], cfg, engine.row_bytes(prob, cfg), "record",
-                                run)
-    if h is first[0].h:  # the whole ensemble in one piece: its mesh as recorded
-        return first[0]
+    rows = layout.by_rows(y0.shape[0], cfg, engine.row_bytes(prob, cfg), "record", run)
     return eqx.tree_at(lambda m: (m.h, m.n_steps, m.n_rejected, m.status), first[0],
-                       (jnp.asarray(h), *(jnp.asarray(c) for c in counts)))
+                       tuple(jnp.asarray(x) for x in rows))

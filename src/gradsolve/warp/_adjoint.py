@@ -315,15 +315,11 @@ def forward(prog: Program, h, n_steps, ok, t0, y0, leaves, ts, dense=False,
              n_ts=n_ts, t0=float(t0), width=width),
         n=n, dtype=dtype, lanes=1, budget=MEMORY_BUDGET,
         sizes=dict(d=d, points=width + 1, n_ts=max(n_ts, 1)), into=kept)
-    ys = out.states[:, width] if ts is None else out.ys_out
-    failed = ~np.asarray(ok, bool)
-    if into is None:
-        ys = np.where(failed.reshape((n,) + (1,) * (ys.ndim - 1)), 0, ys).astype(dtype)
-    else:
-        if ts is None:
-            into.ys[...] = ys
-        into.ys[failed] = 0
-        ys = into.ys
+    ys = out.ys_out
+    if ts is None:  # the final states, copied out of `states` (masked below, not there)
+        ys = np.empty((n, d), dtype) if into is None else into.ys
+        ys[...] = out.states[:, width]
+    ys[~np.asarray(ok, bool)] = 0
     return Forward(ys, out.states, out.tgrid, out.base)
 
 
