@@ -103,7 +103,7 @@ def run(cal, theta0, steps, tol, grad_tol, progress, key, resume, slots):
                 done += count
                 _report.show(bar, state, window, queue, count)
                 if saves is not None:
-                    state = saves.apply(state, window, done)
+                    saves.apply(state, window, done)
         except (jax.errors.JaxRuntimeError, ValueError) as err:
             # Ctrl-C while a host callback runs (kernel_adjoint's Warp kernels) reaches
             # here wrapped by XLA (a JaxRuntimeError, a ValueError through Equinox's

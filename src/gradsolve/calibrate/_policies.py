@@ -134,15 +134,15 @@ class Saves:
         return every - done % every if isinstance(every, int) else None
 
     def apply(self, state, window, done):
-        """After a call: the state (with the window's fits written back) saved as step
-        `done` if a save is due."""
+        """After a call: the state with the window's fits written back (in NumPy: the
+        window stays the fits' copy on the device) saved as step `done` if a save is
+        due."""
         if not self.schedule.due(done):
-            return state
-        state = _slots.flush(state, window)
-        self.store.save(done, state._asdict(), self.meta)
+            return
+        self.store.save(done, _slots.flush(state, window, to_device=False)._asdict(),
+                        self.meta)
         self.tried = done
         self.schedule.saved()
-        return state
 
     def finish(self, state, done):
         """At the end (or an interruption): step `done` saved unless its save was

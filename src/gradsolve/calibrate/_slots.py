@@ -66,9 +66,10 @@ def trajectories(fits, K):
     return np.repeat(np.asarray(fits) * K, K) + np.tile(np.arange(K), np.size(fits))
 
 
-def moved(dst, to, src, at, K):
+def moved(dst, to, src, at, K, to_device=True):
     """The FitState `dst` with its fits `to` (and their mesh rows) replaced by `src`'s
-    fits `at`: a window's fits into the state, or the state's starts into a window."""
+    fits `at`: a window's fits into the state, or the state's starts into a window.
+    Without `to_device`, the replaced fields are left in NumPy (a state to save)."""
     fits = {f: put(getattr(dst, f), to, getattr(src, f), at) for f in FIT_FIELDS}
     mesh_rows = {}
     if dst.mesh is not None:
@@ -77,7 +78,8 @@ def moved(dst, to, src, at, K):
     # One device_put for everything moved: one per leaf took 45 us a leaf here, one
     # for all 21 us (a fit state has dozens of leaves, moved at every slot refill and
     # before every checkpoint).
-    fits, mesh_rows = jax.device_put((fits, mesh_rows))
+    if to_device:
+        fits, mesh_rows = jax.device_put((fits, mesh_rows))
     mesh = None if dst.mesh is None else dict(dst.mesh, **mesh_rows)
     return dst._replace(mesh=mesh, **fits)
 
@@ -151,9 +153,10 @@ def _gather(state, window, start, entering, K, y0, data):
     return Window(start=start.copy(), state=new, y0=y0, data=data)
 
 
-def flush(state, window, slots=None):
+def flush(state, window, slots=None, to_device=True):
     """The state with the window's fits in `slots` (default all) written back; the
-    counters are the window's."""
+    counters are the window's. Without `to_device`, the fields written back are
+    NumPy arrays: a state to save, which the save copies to the host anyway."""
     ws = window.state
     S, B = state.active.shape[0], ws.active.shape[0]
     counters = dict(update=ws.update, refreshes=ws.refreshes)
@@ -161,4 +164,4 @@ def flush(state, window, slots=None):
         return ws._replace(history=state.history, drift=state.drift, **counters)
     slots = np.arange(B) if slots is None else np.asarray(slots)
     K = window.y0.shape[0] // B
-    return moved(state, window.start[slots], ws, slots, K)._replace(**counters)
+    return moved(state, window.start[slots], ws, slots, K, to_device)._replace(**counters)

@@ -7,8 +7,9 @@ the GIL that the fit's loop needs between its compiled calls: on the checkpoint
 benchmark's light fit (~2-5 ms per update, a save every 25 updates) the fit took 30-40 %
 longer, although a second core sat idle; the fit's loop alone (the state copied to the
 host at every save, Orbax not called) costs 4-5 % (measured here, docs/benchmarks.md).
-This module runs Orbax in a child process instead: `Checkpoints` sends it a packed step
-(`_checkpoint.pack`, a few flat arrays) and goes on.
+This module runs Orbax in a child process instead: `Checkpoints` sends it the state's
+leaves as host arrays, each with its path, and goes on; the child checksums and packs
+them (`write_step`) and writes the step.
 
 The child is this file run as a script (`python _writer.py`, not `-m`: importing the
 `gradsolve` package would double its start, ~1.6 s against Orbax's ~0.8 s), started
@@ -26,6 +27,7 @@ import collections
 import concurrent.futures
 import contextlib
 import ctypes
+import hashlib
 import importlib
 import logging
 import os
@@ -38,6 +40,7 @@ import time
 from multiprocessing.connection import Connection
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -62,12 +65,40 @@ def open_manager(directory, max_to_keep, asynchronous, cleanup):
         cleanup_tmp_directories=cleanup, create=True))
 
 
-def write_step(manager, step, packed, meta, wait):
-    """Hand one packed step and its JSON metadata to Orbax; with `wait`, return only
-    once it is written (a failure raises here)."""
+# -- a step's leaves: `[(path, host array), ...]` in tree order (`_checkpoint.leaves`)
+
+def digest(leaves) -> str:
+    """SHA-256 over every leaf's path, dtype, shape and bytes, in order."""
+    h = hashlib.sha256()
+    for path, a in leaves:
+        h.update(path.encode())
+        h.update(str(a.dtype).encode() + str(a.shape).encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def shapes(leaves) -> dict:
+    """`{leaf path: [shape, dtype]}`: what a step is restored against."""
+    return {path: [list(a.shape), str(a.dtype)] for path, a in leaves}
+
+
+def pack(leaves) -> dict:
+    """`{dtype name: 1-D array}`: the leaves of each dtype raveled and joined in order
+    (`_checkpoint.unpack` with their `shapes` undoes it)."""
+    groups = {}
+    for _, a in leaves:
+        groups.setdefault(a.dtype.name, []).append(a.ravel())
+    return {name: np.concatenate(parts) for name, parts in groups.items()}
+
+
+def write_step(manager, step, leaves, meta, wait):
+    """Write one step's leaves packed, with its JSON metadata and their checksum and
+    shapes, through Orbax; with `wait`, return only once it is written (a failure
+    raises here)."""
+    meta = dict(meta, checksum=digest(leaves), shapes=shapes(leaves), layout="packed")
     args = ocp.args
     manager.save(step, args=args.Composite(
-        state=args.StandardSave(packed), meta=args.JsonSave(meta)), force=True)
+        state=args.StandardSave(pack(leaves)), meta=args.JsonSave(meta)), force=True)
     if wait:
         manager.wait_until_finished()
 
@@ -199,7 +230,7 @@ def _answerable(err: BaseException) -> BaseException:
 def serve(requests: Connection, replies: Connection):
     """Answer requests until the parent closes the pipe:
 
-    - `("save", key, directory, max_to_keep, step, packed, meta)`: write a step and
+    - `("save", key, directory, max_to_keep, step, leaves, meta)`: write a step and
       wait for it (with the manager of `directory` kept under `key`, opened at its
       first step);
     - `("close", key)`: close that manager, if there is one;
@@ -214,11 +245,11 @@ def serve(requests: Connection, replies: Connection):
             break
         try:
             if kind == "save":
-                key, directory, max_to_keep, step, packed, meta = message
+                key, directory, max_to_keep, step, leaves, meta = message
                 if key not in managers:
                     managers[key] = open_manager(directory, max_to_keep,
                                                  asynchronous=False, cleanup=False)
-                write_step(managers[key], step, packed, meta, wait=True)
+                write_step(managers[key], step, leaves, meta, wait=True)
             elif kind == "close":
                 manager = managers.pop(message[0], None)
                 if manager is not None:
