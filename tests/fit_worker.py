@@ -59,9 +59,10 @@ def calibrator(checkpoint_dir=None, checkpoint_every=None, loss=squares, data=DA
                               params=jnp.ones(B * K), t_span=(0.0, 1.0), name="decay")
     kw.setdefault("optimizer", optax.adam(0.3))
     kw.setdefault("refresh_every", 3)
+    kw.setdefault("to_params", lambda k: k * RATES)
+    kw.setdefault("transform", gs.transforms.Positive())
     return gs.Calibrator(
-        prob, loss, data=data, to_params=lambda k: k * RATES,
-        transform=gs.transforms.Positive(), rtol=1e-8, atol=1e-10,
+        prob, loss, data=data, rtol=1e-8, atol=1e-10,
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, **kw)
 
 

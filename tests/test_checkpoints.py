@@ -26,6 +26,7 @@ import pytest
 
 import gradsolve as gs
 import fit_worker
+from gradsolve.calibrate import _fingerprint
 from fit_worker import (THETA0, assert_same_state, calibrator, flip_a_byte,
                         interrupting, steps_in)
 
@@ -296,6 +297,26 @@ def test_another_theta0_is_refused(six_steps, tmp_path):
     ckpt = _copy(six_steps, tmp_path)
     with pytest.raises(gs.calibrate.CheckpointMismatch, match="theta0 changed"):
         calibrator(ckpt, checkpoint_every=3).fit(THETA0 * 2, steps=9, progress=False)
+
+
+def test_a_refit_reuses_its_traced_fingerprint_but_not_across_a_static_leaf(
+        tmp_path, monkeypatch):
+    # The traced loss and optimizer are hashed once per Calibrator and signature
+    # (`_fingerprint._traced`, ~0.25 s a fit). theta0's non-array leaves are traced into
+    # the loss as constants (here the exponent c): a cached hash that ignored them
+    # would resume a fit with another c. Its theta0 checksum covers arrays only, so
+    # only the traced loss can name the change.
+    traces = []
+    trace = _fingerprint._trace
+    monkeypatch.setattr(_fingerprint, "_trace", lambda *a: traces.append(a[2]) or trace(*a))
+    cal = calibrator(tmp_path / "fit", checkpoint_every=3, transform=None,
+                     to_params=lambda th: th["k"] ** th["c"] * fit_worker.RATES)
+    for _ in range(2):
+        cal.fit({"k": THETA0, "c": 1.0}, steps=3, progress=False, resume=False)
+    assert len(traces) == 1
+    with pytest.raises(gs.calibrate.CheckpointMismatch, match="^[^,]*the traced loss"):
+        cal.fit({"k": THETA0, "c": 2.0}, steps=6, progress=False)
+    assert len(traces) == 2 and steps_in(tmp_path / "fit") == [3]
 
 
 def test_a_step_damaged_twice_does_not_block_resuming(six_steps, tmp_path):

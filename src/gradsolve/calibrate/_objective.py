@@ -63,7 +63,8 @@ class Objective(eqx.Module):
         else:
             one = self.to_params
         per_fit = eqx.filter_vmap(one)(theta)
-        B = jax.tree.leaves(theta)[0].shape[0] if jax.tree.leaves(theta) else 1
+        arrays = jax.tree.leaves(eqx.filter(theta, eqx.is_array))  # not a static leaf
+        B = arrays[0].shape[0] if arrays else 1
 
         def merge(x):
             if isinstance(x, Shared):
