@@ -11,7 +11,6 @@ recomputed backward) are added in another order, and are compared at `SUM_RTOL`.
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
