@@ -32,8 +32,8 @@ What a checkpoint directory guarantees:
 - **Stored shapes.** A step is restored with the shapes it was saved with (a mesh
   widened by a refresh, a longer history), never against the shapes of a new start.
 - **Packed leaves.** A step stores one flat array per dtype (the state's leaves in
-  tree order, `_writer.pack`), its metadata the leaves' shapes: Orbax's work per save grows
-  with the number of arrays (~0.5 ms each), and a fit state has dozens. On the
+  tree order, `_writer.pack`), its metadata the leaves' shapes: Orbax's work per save
+  grows with the number of arrays (~0.5 ms each), and a fit state has dozens. On the
   checkpoint benchmark's light fit (35 leaves, 49 kB) a save took 41 ms of CPU with
   one array per leaf and 24 ms packed. Steps written one array per leaf (before this
   layout) still restore.
