@@ -69,10 +69,11 @@ def check_meta(expected, directory, found):
 
 
 def of(cal, state, static, theta0, K, tol, grad_tol) -> dict:
-    """What a checkpoint of the Calibrator `cal`'s fit must match to be resumed: the settings, checksums of the
-    inputs, and hashes of the traced loss (f_jax, to_params, transform, loss, the
-    replay) and of the traced optimizer update (its kind and constants, such as
-    the learning rate). `steps` is not part of it: it is a cap."""
+    """What a checkpoint of the Calibrator `cal`'s fit must match to be resumed: the
+    settings, checksums of the inputs, and hashes of the traced loss (f_jax,
+    to_params, transform, loss, the replay) and of the traced optimizer update (its
+    kind and constants, such as the learning rate; `_traced`). `steps` is not part of
+    it: it is a cap."""
     B = state.active.shape[0]
     cfg, prob = cal.config, cal.problem
     loss, optimizer = _traced(cal, state, static, K)
