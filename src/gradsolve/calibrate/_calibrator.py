@@ -309,6 +309,13 @@ class Calibrator:
         self._hold(None)
         self._replayed = eqx.filter_jit(lambda mesh, params, y0, arr: layout.run(
             self.objective.ys, arr, mesh, params, y0))
+        # What a record (at a refresh, a drift check) solves from: the fits' per-
+        # trajectory parameters and initial states at `u`, in one compiled call (eager,
+        # the theta -> params map of the neural ODE benchmark's network took ~7 ms a
+        # refresh; measured here).
+        self._inputs = eqx.filter_jit(lambda u, static, K, y0: (
+            self.objective.params(self.objective.theta(u, static), K),
+            self.objective.y0(self.objective.theta(u, static), y0)))
         self._max_updates = MAX_UPDATES_PER_CALL  # 1: one update per call (tests)
 
     def _hold(self, held):
@@ -336,10 +343,8 @@ class Calibrator:
         to one of `Mesh.widened`'s few widths, at least `width`."""
         if not self._engine.serves("record"):
             return None, None
-        theta = self.objective.theta(u, static)
-        mesh = record_rows(self._engine, self.problem, self.config,
-                           params=self.objective.params(theta, K),
-                           y0=self.objective.y0(theta, y0))
+        params, y0 = self._inputs(u, static, K, y0)
+        mesh = record_rows(self._engine, self.problem, self.config, params=params, y0=y0)
         ok = np.asarray(mesh.status).reshape(-1, K) == Status.SUCCESS
         return mesh.widened(width), ok.all(axis=1)
 

@@ -107,8 +107,7 @@ class Refresh:
         """Per fit, the largest relative change of its replayed outputs from `mesh` to
         `fresh`."""
         cal, K = self.cal, self.K
-        theta = cal.objective.theta(u, self.static)
-        params, y0 = cal.objective.params(theta, K), cal.objective.y0(theta, y0)
+        params, y0 = cal._inputs(u, self.static, K, y0)
         old, new = (np.asarray(cal._replayed(
             m, params, y0, cal._arrangement(m, y0.shape[0], cache=False))
         ).reshape(y0.shape[0], -1) for m in (mesh, fresh))
