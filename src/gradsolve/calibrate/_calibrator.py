@@ -309,13 +309,10 @@ class Calibrator:
         self._hold(None)
         self._replayed = eqx.filter_jit(lambda mesh, params, y0, arr: layout.run(
             self.objective.ys, arr, mesh, params, y0))
-        # What a record (at a refresh, a drift check) solves from: the fits' per-
-        # trajectory parameters and initial states at `u`, in one compiled call (eager,
-        # the theta -> params map of the neural ODE benchmark's network took ~7 ms a
-        # refresh; measured here).
-        self._inputs = eqx.filter_jit(lambda u, static, K, y0: (
-            self.objective.params(self.objective.theta(u, static), K),
-            self.objective.y0(self.objective.theta(u, static), y0)))
+        # What a record (at a refresh, a drift check) solves from, in one compiled call
+        # (eager, the theta -> params map of the neural ODE benchmark's network took
+        # ~7 ms a refresh; measured here).
+        self._inputs = eqx.filter_jit(self.objective.inputs)
         self._max_updates = MAX_UPDATES_PER_CALL  # 1: one update per call (tests)
 
     def _hold(self, held):

@@ -84,6 +84,11 @@ class Objective(eqx.Module):
             return y0
         return eqx.filter_vmap(self.to_y0)(theta).reshape(y0.shape)
 
+    def inputs(self, u, static, K, y0):
+        """`(params, y0)` of the whole ensemble at `u`: what a record solves from."""
+        theta = self.theta(u, static)
+        return self.params(theta, K), self.y0(theta, y0)
+
     def rows(self, key, start, steps, K):
         """Each slot's minibatch at its fit's current update, `(B, batch_size)` rows
         of its K trajectories drawn without replacement from the fit's key (its start
