@@ -11,7 +11,7 @@ from gradsolve.warp._registry import NOT_FUSED
 
 
 SMALL = "n = 0 < 256: the JAX replay is faster below that here (tsit5)"
-KA_METHODS = "the in-kernel adjoint runs ('tsit5', 'rosenbrock23')"
+KA_METHODS = "the in-kernel adjoint runs ('rosenbrock23', 'tsit5', 'vern7')"
 NO_JACOBIAN = "the field has no hand-written Jacobian for the stiff fused kernel"
 INTEGRATED_R23 = ("its Warp kernels serve ts by an integrated step (rosenbrock23); "
                   "interpolate=True runs on the JAX replay")
@@ -40,9 +40,13 @@ def R(gradient, d=3, stiff=False, method=None, fused=False, jacobian=False, rtol
     (R(True, d=9, fused=True), None, "general_replay", "tsit5",
      {"kernel_adjoint": "d = 9 > 8: past the fused kernels' cutoff on the cpu device",
       "fused_replay": "d = 9 > 8: past the fused kernels' cutoff on the cpu device"}),
-    (R(True, method="vern7", fused=True), None, "general_replay", "vern7",
-     {"kernel_adjoint": f"{KA_METHODS}, not 'vern7'",
-      "fused_replay": "the fused kernels run ('tsit5', 'rosenbrock23'), not 'vern7'"}),
+    # ... Vern7 as well, in the kernels from 64 trajectories (its stages cost more)
+    (R(True, method="vern7", fused=True), None, "fused_replay", "vern7",
+     {"kernel_adjoint": "n = 0 < 64: the JAX replay is faster below that here (vern7)"}),
+    (R(True, method="vern7", fused=True, n=64), None, "kernel_adjoint", "vern7", {}),
+    (R(True, method="rodas5p", fused=True, jacobian=True), None, "general_replay", "rodas5p",
+     {"kernel_adjoint": f"{KA_METHODS}, not 'rodas5p'",
+      "fused_replay": "the fused kernels run ('rosenbrock23', 'tsit5', 'vern7'), not 'rodas5p'"}),
     (R(True, stiff=True, fused=True), None, "general_replay", "rodas5p",
      {"kernel_adjoint": NO_JACOBIAN, "fused_replay": NO_JACOBIAN}),
     # ... or a tight tolerance for a stiff field: second-order Rosenbrock23 would crawl

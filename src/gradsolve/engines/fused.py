@@ -1,5 +1,6 @@
 """`fused`: the fused Warp kernel, one thread per trajectory, the whole adaptive loop
-(Tsit5, or Rosenbrock23 for stiff fields with a Jacobian) in one launch; forward only.
+(Tsit5 or Vern7, or Rosenbrock23 for stiff fields with a Jacobian) in one launch;
+forward only.
 
 `FusedEngine`, the family every Warp engine belongs to, holds the rules for running
 on Warp at all -- a fused form, `fused=` not False, the dtype, the d cutoff, the
@@ -19,9 +20,9 @@ from ..warp._registry import NOT_FUSED, fused_form
 from ._base import Engine, Request, Solves
 
 
-# The methods the kernel generator writes (warp/_steps.py: explicit Runge--Kutta
-# with Tsit5's tableau, and Rosenbrock23).
-FUSED_METHODS = ("tsit5", "rosenbrock23")
+# The methods the kernel generator writes (`warp/_steps.py`'s `EMITTERS`: every explicit
+# Runge--Kutta tableau, Tsit5's and Vern7's, and Rosenbrock23).
+FUSED_METHODS = _steps.kernel_methods()
 # The state-dimension cutoff of the Warp engines, per Warp device. On a GPU the limit
 # is the per-thread register file (the design's 64 keeps far inside it); on this
 # project's 2-core CPU the fused kernel stops beating the batched JAX engine between

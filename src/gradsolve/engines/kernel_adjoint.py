@@ -11,8 +11,8 @@ works inside `jit` and under `jax.grad` like the JAX replay -- the same conventi
 the same masking rule (a failed trajectory gives zero outputs and zero gradients).
 
 Reverse mode only; Tsit5 (outputs at `ts` from its continuous extension by default,
-or integrated) and Rosenbrock23 (its adjoint goes through W's inverse transposed and
-the Jacobian's own VJP; integrated outputs). The field and its VJP are translated from the
+or integrated), Vern7 (integrated outputs) and Rosenbrock23 (its adjoint goes through
+W's inverse transposed and the Jacobian's own VJP; integrated outputs). The field and its VJP are translated from the
 JAX right-hand side (`warp/_translate.py`), so any field with a fused form that the
 translator accepts runs here, Equinox MLPs in `gs.Shared` included.
 """
@@ -23,6 +23,7 @@ from .. import methods
 from ..config import resolve_interpolate
 from ..replay import ENGINE_REPLAYS
 from ..warp import _adjoint, _runtime, _steps
+from .fused import FUSED_METHODS
 from .fused_replay import FusedReplay
 
 
@@ -32,17 +33,20 @@ from .fused_replay import FusedReplay
 # slower than fused_replay at n = 8 (0.56x: the fixed costs of two launches and two
 # host calls), 1.47x faster at n = 128, 3.0-3.5x at 1024 and 8192; Rosenbrock23 is
 # faster at every size measured (Robertson and HIRES, n = 8 to 1024: 1.2-9.3x), the
-# JAX replay's batched LU solves being the slow part there. Not measured on a GPU yet.
-MIN_N = {"cpu": {"tsit5": 256, "rosenbrock23": 0}, "cuda": None}
+# JAX replay's batched LU solves being the slow part there. Vern7 on Lorenz at rtol
+# 1e-8 (by hand, 2026-12-07, warm medians of the gradient against fused_replay's):
+# 2.1 against 0.9 ms at n = 8, 2.8 against 3.5 at 64, 5.5 against 12.8 at 256, 9.9
+# against 50 at 1024. A method not listed is chosen by name only. Not measured on a GPU.
+MIN_N = {"cpu": {"tsit5": 256, "vern7": 64, "rosenbrock23": 0}, "cuda": None}
 
 
 class KernelAdjoint(FusedReplay):
     """The fused Warp recorder, then the Warp forward over its mesh and the Warp
-    backward; reverse mode, Tsit5 and Rosenbrock23."""
+    backward; reverse mode, the fused kernels' methods."""
 
     name: ClassVar[str] = "kernel_adjoint"
     routes: ClassVar[tuple[str, ...]] = ("gradient",)
-    methods: ClassVar[tuple[str, ...]] = ("tsit5", "rosenbrock23")
+    methods: ClassVar[tuple[str, ...]] = FUSED_METHODS
     named_by_recorder: ClassVar[bool] = False  # recorder="fused" means fused_replay
     interpolates: ClassVar[tuple[str, ...]] = ("solve", "gradient")  # Tsit5 only
     one_device: ClassVar[str] = ("its Warp kernels run in host calls, not split over "
@@ -75,7 +79,9 @@ class KernelAdjoint(FusedReplay):
             return ("an Equinox module in the field: on the CPU the JAX replay's batched "
                     "matrix products are faster (benchmarks/kernel_adjoint.py)")
         method = request.method or self.default_method(request)
-        if request.n < limit.get(method, 0):
+        if method not in limit:
+            return f"chosen by name only for {method} on the {device} device (not measured)"
+        if request.n < limit[method]:
             return (f"n = {request.n} < {limit[method]}: the JAX replay is faster below that "
                     f"here ({method})")
         return None

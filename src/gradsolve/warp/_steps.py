@@ -7,17 +7,22 @@ coefficient emitted as `T(literal)` with all its digits, and the step control
 built from its constants. The kernels do not call `control.py` (it is JAX); they embed
 these copies, and the tests check that both take the same steps.
 
-A method contributes two pieces (`for_method`):
+A step class contributes its emitters, one `Emitter` in `EMITTERS` (so every method
+registered with that class runs in the kernels, nothing else to list):
 
 - the *trial* step, a list of statements from `(t, y, f0, h, i)` to
   `(y_new, err, f_new)`, which the kernel skeleton (`_kernels`) copies once per lane;
 - the *plain* step, a `@wp.func plain(t, y, h, p, s, i) -> V` without error estimate,
-  for the requested outputs `ts`.
+  for the requested outputs `ts`;
+- the step's adjoint, for the in-kernel adjoint, and optionally the continuous
+  extension's value and adjoint.
 """
+
+from typing import Callable, NamedTuple
 
 import numpy as np
 
-from .. import control
+from .. import control, methods
 from ..methods import ExplicitRungeKutta, Rosenbrock23
 
 
@@ -285,13 +290,6 @@ def _rosenbrock23_step_vjp(method: Rosenbrock23) -> str:
     return _ROSENBROCK23_STEP_VJP.format(gamma=lit(method.tableau.d))
 
 
-def has_kernel_extension(method) -> bool:
-    """Whether the kernels serve `ts` from `method`'s continuous extension: explicit
-    Runge--Kutta methods with one (Tsit5). Rosenbrock23's order-2 extension is not
-    built into the kernels (the default integrates its outputs everywhere)."""
-    return isinstance(method, ExplicitRungeKutta) and method.has_dense_output
-
-
 def _dense_weights(tab, indent: str) -> list[str]:
     """Statements `w{i} = b_i(theta)` (Horner) for every stage with a nonzero weight
     in the continuous extension `tab.dense`: `b_i(theta) = sum_m dense[i, m]
@@ -393,23 +391,68 @@ def _erk_dense_vjp(tab) -> str:
     return "\n".join(lines) + "\n"
 
 
+class Emitter(NamedTuple):
+    """How the kernel generator writes one family of methods, each piece from the
+    method's own tableau: `trial(method)`, the trial step's statements (the fused
+    kernels); `plain(method)`, the plain step's `@wp.func`; `step_vjp(method)`, its
+    adjoint (the in-kernel adjoint); `extension(method)`, `dense_advance` and
+    `dense_vjp` for outputs from a method's continuous extension where it has one
+    (None: the family's outputs are integrated)."""
+
+    trial: Callable[..., list[str]]
+    plain: Callable[..., str]
+    step_vjp: Callable[..., str]
+    extension: Callable[..., str] | None
+
+
+# The one table of what the Warp kernels run: a method whose class (or a base of it) is
+# here runs in the fused kernels and the in-kernel adjoint (`kernel_methods`, which the
+# engines' method lists read); Rodas5P's class is not, yet.
+EMITTERS = {
+    ExplicitRungeKutta: Emitter(trial=lambda m: _erk_trial(m.tableau),
+                                plain=lambda m: _erk_plain(m.tableau),
+                                step_vjp=lambda m: _erk_step_vjp(m.tableau),
+                                extension=lambda m: (_erk_dense_advance(m.tableau)
+                                                     + _erk_dense_vjp(m.tableau))),
+    Rosenbrock23: Emitter(trial=_rosenbrock23_trial, plain=_rosenbrock23_plain,
+                          step_vjp=_rosenbrock23_step_vjp, extension=None),
+}
+
+
+def emitter(method) -> Emitter | None:
+    """`method`'s entry of `EMITTERS` (by its class or the nearest base), or None."""
+    return next((EMITTERS[c] for c in type(method).__mro__ if c in EMITTERS), None)
+
+
+def kernel_methods() -> tuple[str, ...]:
+    """The built-in methods the Warp kernels run, by name, in `methods.names()` order."""
+    return tuple(n for n in methods.names() if emitter(methods.get(n)) is not None)
+
+
+def _emitter(method) -> Emitter:
+    e = emitter(method)
+    if e is None:
+        raise ValueError(f"the Warp kernels run {kernel_methods()}, not {method.name!r}")
+    return e
+
+
+def has_kernel_extension(method) -> bool:
+    """Whether the kernels serve `ts` from `method`'s continuous extension (Tsit5's);
+    elsewhere (Vern7, whose interpolant's extra stages are not built; Rosenbrock23's
+    order-2 extension) they integrate the outputs."""
+    e = emitter(method)
+    return e is not None and e.extension is not None and method.has_dense_output
+
+
 def vjp_for_method(method) -> str:
     """The plain step and its adjoint, for the kernels of `kernel_adjoint`; with a
     continuous extension (`has_kernel_extension`), `dense_advance` and `dense_vjp`."""
-    if isinstance(method, ExplicitRungeKutta):
-        dense = (_erk_dense_advance(method.tableau) + _erk_dense_vjp(method.tableau)
-                 if has_kernel_extension(method) else "")
-        return _erk_plain(method.tableau) + _erk_step_vjp(method.tableau) + dense
-    if isinstance(method, Rosenbrock23):
-        return _rosenbrock23_plain(method) + _rosenbrock23_step_vjp(method)
-    raise ValueError(f"the in-kernel adjoint runs explicit Runge--Kutta methods and "
-                     f"Rosenbrock23, not {method.name!r}")
+    e = _emitter(method)
+    return (e.plain(method) + e.step_vjp(method)
+            + (e.extension(method) if has_kernel_extension(method) else ""))
 
 
 def for_method(method) -> tuple[list[str], str]:
     """`(trial statements, plain-step source)` for a method the fused kernels run."""
-    if isinstance(method, ExplicitRungeKutta):
-        return _erk_trial(method.tableau), _erk_plain(method.tableau)
-    if isinstance(method, Rosenbrock23):
-        return _rosenbrock23_trial(method), _rosenbrock23_plain(method)
-    raise ValueError(f"the fused kernels run tsit5 and rosenbrock23, not {method.name!r}")
+    e = _emitter(method)
+    return e.trial(method), e.plain(method)
