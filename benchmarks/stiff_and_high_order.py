@@ -3,11 +3,13 @@ achieved accuracy (float64, a scalar loss of the final states).
 
 - robertson: rodas5p (reverse, forward mode) and rosenbrock23 replay vs Kvaerno5;
 - hires: rodas5p replay vs Kvaerno5, gradient w.r.t. the initial state;
-- lorenz: vern7 replay vs Dopri8;
+- lorenz: vern7 (the in-kernel adjoint, which the router picks for it from n = 64, and
+  the JAX replay) vs Dopri8;
 - linear (d = 32): vern7 / tsit5 replay vs Dopri8 / Tsit5, against the closed form.
 
-gradsolve's side is pinned to the general recorder and the `general_replay` engine;
-Diffrax runs through `gs.engines.Diffrax(solver=...)` with max_steps = its own
+gradsolve's side is pinned, per row, to an engine: a method's name alone means the
+general recorder and the `general_replay` engine, "vern7 (kernel_adjoint)" the fused
+recorder and `kernel_adjoint`. Diffrax runs through `gs.engines.Diffrax(solver=...)` with max_steps = its own
 attempted steps + 10%, reverse mode the faster of default checkpoints and
 `checkpoints=max_steps`. Each side sweeps its own tolerances; ratios are Diffrax time
 / gradsolve time at equal achieved error on each side's Pareto front.
@@ -61,8 +63,10 @@ PROBLEMS = {
     "lorenz": dict(
         build=gs.problems.lorenz, loss=sum_squares, loss_text="sum(ys**2)", wrt="params",
         keys=("sigma", "rho", "beta"), atol=1e-3, error="normwise", sizes=[1024], quick_n=16,
-        ours={"vern7": (E[1:], ("reverse",))}, theirs={"Dopri8": (E[1:], ("reverse",))},
-        pairs=[("vern7", "reverse", "Dopri8", "reverse")],
+        ours={"vern7 (kernel_adjoint)": (E[1:], ("reverse",)), "vern7": (E[1:], ("reverse",))},
+        theirs={"Dopri8": (E[1:], ("reverse",))},
+        pairs=[("vern7 (kernel_adjoint)", "reverse", "Dopri8", "reverse"),
+               ("vern7", "reverse", "Dopri8", "reverse")],
         target=(8.0, "overlap"), grad_ref=("vern7", 1e-12)),
     "linear": dict(
         build=lambda n: gs.problems.linear(n, d=32), loss=sum_squares, loss_text="sum(ys**2)",
@@ -122,17 +126,25 @@ def release():
     gc.collect()
 
 
-def ours(prob, spec, method, rtol, modes, ref, gref, reps):
+def engine_of(key):
+    """`(method, recorder, engine)` of an `ours` key: "vern7", or "vern7 (kernel_adjoint)"."""
+    method, _, engine = key.partition(" (")
+    engine = engine.rstrip(")") or "general_replay"
+    return method, "fused" if engine == "kernel_adjoint" else "general", engine
+
+
+def ours(prob, spec, key, rtol, modes, ref, gref, reps):
+    method, recorder, engine = engine_of(key)
     kw = dict(rtol=rtol, atol=rtol * spec["atol"], method=method)
-    mesh = gs.record(prob, recorder="general", **kw)
+    mesh = gs.record(prob, recorder=recorder, **kw)
     p = {"rtol": rtol, "steps": f"{int(np.max(mesh.n_steps))}+{int(np.max(mesh.n_rejected))}",
-         "record": warm(lambda: gs.record(prob, recorder="general", **kw).h, reps)["median_s"]}
+         "record": warm(lambda: gs.record(prob, recorder=recorder, **kw).h, reps)["median_s"]}
     if not mesh.ok:
         return dict(p, failed=f"record failed: {mesh.summary()}")
     p["error"] = state_error(spec["error"], gs.replay(prob, mesh), ref)
     for mode in modes:
         vg = gs.value_and_grad(prob, spec["loss"], wrt=spec["wrt"], mode=mode, mesh=mesh,
-                               engine="general_replay", **kw)
+                               engine=engine, **kw)
         p[mode] = warm(vg, reps)["median_s"]
         p.setdefault("grad_error", grad_error(vg()[1], gref, spec["keys"]))
     return p
