@@ -149,22 +149,28 @@ def test_fixed_step_convergence_order(problem, method, steps, bounds):
 INSIDE = np.array([1.3, 2.7])
 
 
-@pytest.mark.parametrize("method,bounds,autonomous", [("tsit5", (4.7, 6.0), False),
-                                                     ("rodas5p", (4.7, 5.6), False),
-                                                     ("rosenbrock23", (1.8, 2.3), True)])
-def test_continuous_extension_order(method, bounds, autonomous):
+@pytest.mark.parametrize("method,bounds,autonomous,steps", [
+    ("tsit5", (4.7, 6.0), False, [32, 64, 128, 256]),
+    ("rodas5p", (4.7, 5.6), False, [32, 64, 128, 256]),
+    ("rosenbrock23", (1.8, 2.3), True, [32, 64, 128, 256]),
+    ("vern7", (7.6, 9.3), False, [8, 16, 32, 64])])
+def test_continuous_extension_order(method, bounds, autonomous, steps):
     # Tsit5's and Rodas5P's interpolants are fourth order: local error O(h^5) inside a
     # step, beside the fifth-order global error of the mesh values, so the values at
     # INSIDE converge at order 5; a wrong interpolation coefficient leaves O(h^4) or
     # worse (slope <= 4). Rosenbrock23's is second order, as the method (a wrong weight
-    # leaves O(h)). On the Jacobi problem against ellipj (autonomous for Rosenbrock23);
-    # measured slopes 5.50 (Tsit5), 5.12 (Rodas5P), 2.00 (Rosenbrock23); bounds as
-    # for the orders above.
+    # leaves O(h)). Vern7's is seventh order (Verner's, with six extra stages): local
+    # error O(h^8), so its values follow the mesh's own error, which converges here at
+    # 8.8 (the integrated outputs' errors at the same times agree to three digits);
+    # a wrong coefficient leaves local O(h^7) or worse (slope <= 7). On a coarser
+    # ladder (at 256 steps it would reach roundoff). On the Jacobi problem against
+    # ellipj (autonomous for Rosenbrock23); measured slopes 5.50 (Tsit5), 5.12
+    # (Rodas5P), 2.00 (Rosenbrock23), 8.82 (Vern7); bounds as for the orders above.
     prob, _ = _elliptic(autonomous)
     m, a = np.asarray(prob.params["m"]), np.asarray(prob.params["a"])
     sn, cn, dn, _ = ellipj(INSIDE[None] + a[:, None] * np.sin(INSIDE)[None], m[:, None])
     exact = np.stack([sn, cn, dn], axis=-1)                     # (n, J, d)
-    steps = np.array([32, 64, 128, 256])
+    steps = np.array(steps)
     theta = INSIDE[None] * steps[:, None] / 4.0 % 1
     assert np.all((0.15 < theta) & (theta < 0.85)), theta
     ladder, mesh = _ladder(prob, steps)
@@ -291,7 +297,8 @@ def forced_cubic_f(t, y, p):
 # Rodas5P runs 13-15 steps; explicit Tsit5 needs ~46 to stay stable on the third
 # trajectory (-3 k y^2 h = -24 h at its start).
 @pytest.mark.parametrize("method,steps,bound", [("rodas5p", [13, 14, 15], 1e-10),
-                                                ("tsit5", [46, 47, 49], 5e-11)])
+                                                ("tsit5", [46, 47, 49], 5e-11),
+                                                ("vern7", [46, 47, 49], 5e-11)])
 def test_interpolated_outputs_gradient_matches_finite_differences(method, steps, bound):
     # ts served by the continuous extension (interpolate=True) on a nonlinear,
     # non-autonomous scalar field (one variable: the Rodas5P gradient compiles in a
@@ -299,7 +306,8 @@ def test_interpolated_outputs_gradient_matches_finite_differences(method, steps,
     # output but the last strictly inside a step, so the interpolant is what is
     # differentiated: the parameter gradient against central differences of the same
     # interpolating replay on the same mesh, componentwise: measured 8.4e-12 at most
-    # for Rodas5P, 4.8e-12 for Tsit5; the bounds are ~10x.
+    # for Rodas5P, 4.8e-12 for Tsit5, 5.0e-12 for Vern7 (its extra stages included);
+    # the bounds are ~10x.
     prob = gs.EnsembleProblem(f_jax=forced_cubic_f, y0=jnp.asarray([[1.0], [0.5], [2.0]]),
                               params={"k": jnp.asarray([0.5, 1.0, 2.0]),
                                       "w": jnp.asarray([0.5, 1.0, 1.5])},

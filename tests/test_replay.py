@@ -99,12 +99,13 @@ def test_ts_outputs_integrated_by_name():
 
 
 def test_default_outputs_follow_the_extension_order():
-    # interpolate=None: Tsit5's order-4 extension serves ts; Rosenbrock23's order-2
-    # one does not (the integrated step instead). Bit for bit the named choice, and
-    # the two differ (by the extension's error), so the test sees which ran.
+    # interpolate=None: Tsit5's order-4 and Vern7's order-7 extensions serve ts;
+    # Rosenbrock23's order-2 one does not (the integrated step instead). Bit for bit
+    # the named choice, and the two differ (by the extension's error), so the test
+    # sees which ran.
     prob = gs.problems.linear(n=2, d=5)
     ts = np.linspace(0.0, 1.0, 7)
-    for method, chosen in (("tsit5", True), ("rosenbrock23", False)):
+    for method, chosen in (("tsit5", True), ("vern7", True), ("rosenbrock23", False)):
         mesh = gs.record(prob, method=method, rtol=1e-4, atol=1e-7)
         ys = gs.replay(prob, mesh, ts=ts)
         np.testing.assert_array_equal(ys, gs.replay(prob, mesh, ts=ts, interpolate=chosen))

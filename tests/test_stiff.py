@@ -9,6 +9,7 @@ compared componentwise: each entry relative to its own size (`rel_err_componentw
 A tolerance states the error measured when it was set and its margin over it.
 """
 
+import dataclasses
 import json
 import pathlib
 
@@ -190,8 +191,18 @@ def test_rodas5p_interpolation_is_accurate():
     exact = np.stack([gs.problems.linear_exact(prob, t) for t in ts], axis=1)
     assert rel_err_componentwise(gs.replay(prob, mesh, ts=ts, interpolate=True), exact) < 2.5e-8
     assert rel_err_componentwise(gs.replay(prob, mesh, ts=ts), exact) < 3e-9
-    with pytest.raises(ValueError, match="interpolate=True needs a method"):
-        gs.solve(gs.problems.lorenz(n=2), ts=ts, interpolate=True, method="vern7")
+
+
+def test_interpolate_true_refuses_a_method_without_an_extension():
+    # Every built-in method has one now; a tableau built without (`dense=None`) is
+    # what the check is for.
+    from gradsolve.config import check_interpolate
+    bare = gs.methods.ExplicitRungeKutta(dataclasses.replace(gs.methods.tsit5.tableau,
+                                                             name="bare", dense=None))
+    check_interpolate(bare, False)
+    with pytest.raises(ValueError, match="interpolate=True needs a method with a "
+                                         "continuous extension .*'bare' has none"):
+        check_interpolate(bare, True)
 
 
 def test_vern7_on_lorenz_matches_a_tight_reference_and_dopri8_gradient():

@@ -103,7 +103,7 @@ def default_remat(method, prob) -> bool:
 # extension when its order is at least this (Tsit5 and Rodas5P: 4) and the engine
 # serves it; else each output is integrated by an extra step from the mesh point before
 # it (Rosenbrock23's order-2 extension measured 1.3-3.3x the integrated outputs' error
-# on Robertson; Vern7 has none; the Warp kernels have Tsit5's only).
+# on Robertson; the Warp kernels have the explicit methods' only).
 # benchmarks/outputs.py (docs/benchmarks.md, "Output times") measures both.
 AUTO_INTERPOLATE_ORDER = 3
 

@@ -11,9 +11,9 @@ works inside `jit` and under `jax.grad` like the JAX replay -- the same conventi
 the same masking rule (a failed trajectory gives zero outputs and zero gradients).
 
 Reverse mode only; Tsit5 (outputs at `ts` from its continuous extension by default,
-or integrated), Vern7 (integrated outputs) and Rosenbrock23 (its adjoint goes through
-W's inverse transposed and the Jacobian's own VJP; integrated outputs). The field and
-its VJP are translated from the JAX right-hand side (`warp/_translate.py`), so any
+or integrated), Vern7 (the same, its extension's extra stages in the kernels) and
+Rosenbrock23 (its adjoint goes through W's inverse transposed and the Jacobian's own
+VJP; integrated outputs). The field and its VJP are translated from the JAX right-hand side (`warp/_translate.py`), so any
 field with a fused form that the translator accepts runs here, Equinox MLPs in
 `gs.Shared` included.
 """
@@ -49,7 +49,7 @@ class KernelAdjoint(FusedReplay):
     routes: ClassVar[tuple[str, ...]] = ("gradient",)
     methods: ClassVar[tuple[str, ...]] = FUSED_METHODS
     named_by_recorder: ClassVar[bool] = False  # recorder="fused" means fused_replay
-    interpolates: ClassVar[tuple[str, ...]] = ("solve", "gradient")  # Tsit5 only
+    interpolates: ClassVar[tuple[str, ...]] = ("solve", "gradient")  # not Rosenbrock23
     one_device: ClassVar[str] = ("its Warp kernels run in host calls, not split over "
                                  "devices; fused_replay splits its replay")
 

@@ -80,10 +80,17 @@ class ExplicitRungeKutta(Method):
         """A step that keeps what its continuous extension needs.
 
         Returns:
-            `(y_new, K, f_new)`: the propagated state, the stage slopes `K` of shape
-            `(s, d)` (for `interpolate`), and `f(t + h, y_new)`, the next step's `f0`.
+            `(y_new, K, f_new)`: the propagated state, the slopes `K` of shape
+            `(s + e, d)` (the step's stages, then the tableau's extra ones, for
+            `interpolate`), and `f(t + h, y_new)`, the next step's `f0`.
         """
+        tab = self.tableau
         y_new, fs, f_new = self._full_step(f, t, y, f0, h, args)
+        for c, row in zip(tab.extra_c, tab.extra_a):
+            if c == 1.0 and np.array_equal(row, np.pad(tab.b, (0, len(row) - len(tab.b)))):
+                fs.append(f_new)  # at (t + h, y_new): the next step's f0, evaluated
+            else:
+                fs.append(f(t + jnp.asarray(c, y.dtype) * h, y + _combine(h, row, fs), args))
         return y_new, jnp.stack(fs), f_new
 
     def interpolate(self, y, y_new, h, K, theta):

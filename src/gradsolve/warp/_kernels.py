@@ -190,7 +190,7 @@ def _outputs(trial: list[str], extension: list[str] | None) -> dict[str, str]:
     state itself, as the JAX replay's does."""
     if extension is None:
         return {"inside": " " * 20 + _PLAIN_OUTPUT, "after": " " * 12 + _PLAIN_OUTPUT}
-    names = {"t", "y", "h", "j"} | {line.split(" = ")[0] for line in trial + extension}
+    names = {"t", "y", "h", "j", "i"} | {line.split(" = ")[0] for line in trial + extension}
     dense = [_in_lane(line, names, "L_") for line in extension]
     inside = ["extra_L_ = y_L_", "if interp == 1:", *("    " + x for x in dense),
               "else:", "    " + _PLAIN_OUTPUT]

@@ -110,8 +110,8 @@ def _erk_trial(tab) -> list[str]:
 def _stage_slopes(tab, lo: int, hi: int, indent: str) -> list[str]:
     """Stage slopes `k_j = f(t + c_j h, y + h sum_{l<j} a_jl k_l)` for `lo <= j < hi`."""
     names = [f"k{j}" for j in range(hi)]
-    return [f"{indent}k{j} = field(t + {lit(tab.c[j - 1])} * h, "
-            f"y + h * ({_combo(tab.a_lower[j - 1], names[:j])}), p, s, i)"
+    return [f"{indent}k{j} = field(t + {lit(tab.c_all[j - 1])} * h, "
+            f"y + h * ({_combo(tab.a_all[j - 1], names[:j])}), p, s, i)"
             for j in range(lo, hi)]
 
 
@@ -203,9 +203,9 @@ def _stage_points(tab, lo: int, hi: int, indent: str) -> list[str]:
     names = [f"k{j}" for j in range(hi)]
     lines = []
     for j in range(lo, hi):
-        lines.append(f"{indent}Y{j} = y + h * ({_combo(tab.a_lower[j - 1][:j], names[:j])})")
+        lines.append(f"{indent}Y{j} = y + h * ({_combo(tab.a_all[j - 1][:j], names[:j])})")
         if j < hi - 1:
-            lines.append(f"{indent}k{j} = field(t + {lit(tab.c[j - 1])} * h, Y{j}, p, s, i)")
+            lines.append(f"{indent}k{j} = field(t + {lit(tab.c_all[j - 1])} * h, Y{j}, p, s, i)")
     return lines
 
 
@@ -215,10 +215,10 @@ def _walk_back(tab, hi: int, lo: int, indent: str) -> list[str]:
     was built from, `adj(k_l) += h a_jl adj(Y_j)`."""
     lines = []
     for j in range(hi - 1, lo - 1, -1):
-        lines.append(f"{indent}aY = field_vjp(t + {lit(tab.c[j - 1])} * h, Y{j}, ak{j}, "
+        lines.append(f"{indent}aY = field_vjp(t + {lit(tab.c_all[j - 1])} * h, Y{j}, ak{j}, "
                      f"p, s, i, gp, gs)")
         lines.append(f"{indent}adj = adj + aY")
-        for l, a in enumerate(tab.a_lower[j - 1][:j]):
+        for l, a in enumerate(tab.a_all[j - 1][:j]):
             if a != 0:
                 lines.append(f"{indent}ak{l} = ak{l} + (h * {lit(a)}) * aY")
     return lines
@@ -319,19 +319,20 @@ def kernel_extension(method) -> list[str] | None:
         return None
     tab = method.tableau
     _, used = _dense_stages(tab)
-    return ["theta = (ts[j] - t) / h", *_dense_weights(tab, ""),
+    return [*_stage_slopes(tab, tab.stages, tab.dense_stages, ""),
+            "theta = (ts[j] - t) / h", *_dense_weights(tab, ""),
             f"extra = y + h * ({' + '.join(f'w{l} * k{l}' for l in used)})"]
 
 
 def _erk_dense_advance(tab) -> str:
     """`dense_advance(t, y, h, ts, j0, j1, ys_out, p, s, i) -> V`: the plain step of
     size `h` from `(t, y)`, and the outputs `ts[j0:j1]` inside it written to
-    `ys_out[i]` from the step's own stages, `y + h sum_l b_l(theta) k_l` (the same
+    `ys_out[i]` from the step's stages, `y + h sum_l b_l(theta) k_l` (the same
     continuous extension as `ExplicitRungeKutta.interpolate`). The stages after the
-    plain step's last (Tsit5's FSAL slope at the new state) are evaluated only for a
-    step that holds outputs."""
+    plain step's last (Tsit5's FSAL slope at the new state, Vern7's extra stages) are
+    evaluated only for a step that holds outputs."""
     n, used = _dense_stages(tab)
-    s = tab.stages
+    s = tab.dense_stages
     names = [f"k{j}" for j in range(s)]
     lines = ["", "", "@wp.func",
              "def dense_advance(t: T, y: V, h: T, ts: wp.array(dtype=T), j0: int, j1: int, "
@@ -360,7 +361,7 @@ def _erk_dense_vjp(tab) -> str:
     stage l's slope's, beside the step's `h b_l lam`; the stages only the outputs
     weigh are walked only for a step that holds outputs."""
     n, used = _dense_stages(tab)
-    s = tab.stages
+    s = tab.dense_stages
     lines = ["", "", "@wp.func",
              "def dense_vjp(t: T, y: V, h: T, lam: V, ct: wp.array3d(dtype=T), "
              "ts: wp.array(dtype=T), j0: int, j1: int, p: wp.array2d(dtype=T), "
@@ -437,9 +438,9 @@ def _emitter(method) -> Emitter:
 
 
 def has_kernel_extension(method) -> bool:
-    """Whether the kernels serve `ts` from `method`'s continuous extension (Tsit5's);
-    elsewhere (Vern7, whose interpolant's extra stages are not built; Rosenbrock23's
-    order-2 extension) they integrate the outputs."""
+    """Whether the kernels serve `ts` from `method`'s continuous extension (every
+    explicit Runge--Kutta method's); Rosenbrock23's order-2 extension is not built
+    into them (its outputs are integrated, as its default is everywhere)."""
     e = emitter(method)
     return e is not None and e.extension is not None and method.has_dense_output
 
