@@ -16,6 +16,9 @@ registered with that class runs in the kernels, nothing else to list):
   for the requested outputs `ts`;
 - the step's adjoint, for the in-kernel adjoint, and optionally the continuous
   extension's value and adjoint.
+
+Explicit Runge--Kutta methods are generated here from their tableau; Rosenbrock23's
+bodies are written by hand in `_rosenbrock23`.
 """
 
 from typing import Callable, NamedTuple
@@ -24,17 +27,8 @@ import numpy as np
 
 from .. import control, methods
 from ..methods import ExplicitRungeKutta, Rosenbrock23
-
-
-def lit(x) -> str:
-    """A float as a typed Warp literal with all its digits: `T(0.1)`."""
-    return f"T({float(x)!r})"
-
-
-def _combo(weights, names):
-    """`T(w0) * k0 + T(w1) * k1 ...` over nonzero weights."""
-    terms = [f"{lit(w)} * {k}" for w, k in zip(weights, names) if w != 0]
-    return " + ".join(terms) if terms else "V()"
+from . import _rosenbrock23
+from ._source import combo, lit
 
 
 _CONTROL = '''
@@ -99,10 +93,10 @@ def _erk_trial(tab) -> list[str]:
     s = tab.stages
     body = ["k0 = f0", *_stage_slopes(tab, 1, s, "")]
     names = [f"k{i}" for i in range(s)]
-    body.append(f"y_new = y + h * ({_combo(tab.b, names)})")
+    body.append(f"y_new = y + h * ({combo(tab.b, names)})")
     # As methods._erk.error_estimate: sum_{j>0} w_j (k_j - k_0), no cancellation.
     diffs = [f"({k} - k0)" for k in names[1:]]
-    body.append(f"err = h * ({_combo(tab.b_error[1:], diffs)})")
+    body.append(f"err = h * ({combo(tab.b_error[1:], diffs)})")
     body.append(f"f_new = {f'k{s - 1}' if tab.fsal else 'field(t + h, y_new, p, s, i)'}")
     return body
 
@@ -111,7 +105,7 @@ def _stage_slopes(tab, lo: int, hi: int, indent: str) -> list[str]:
     """Stage slopes `k_j = f(t + c_j h, y + h sum_{l<j} a_jl k_l)` for `lo <= j < hi`."""
     names = [f"k{j}" for j in range(hi)]
     return [f"{indent}k{j} = field(t + {lit(tab.c_all[j - 1])} * h, "
-            f"y + h * ({_combo(tab.a_all[j - 1], names[:j])}), p, s, i)"
+            f"y + h * ({combo(tab.a_all[j - 1], names[:j])}), p, s, i)"
             for j in range(lo, hi)]
 
 
@@ -123,78 +117,8 @@ def _erk_plain(tab) -> str:
              "i: int) -> V:",
              "    k0 = field(t, y, p, s, i)"]
     lines += _stage_slopes(tab, 1, n_plain, "    ")
-    lines.append(f"    return y + h * ({_combo(tab.b[:n_plain], names[:n_plain])})")
+    lines.append(f"    return y + h * ({combo(tab.b[:n_plain], names[:n_plain])})")
     return "\n".join(lines) + "\n"
-
-
-_INVERSE = '''
-
-@wp.func
-def inverse(A: M) -> M:
-    # Gauss--Jordan elimination with partial pivoting: W is factored once per step
-    # and every stage is a matrix-vector product with its inverse.
-    a = A
-    inv = wp.identity(n=D, dtype=T)
-    for c in range(D):
-        piv = c
-        big = wp.abs(a[c, c])
-        for r in range(c + 1, D):
-            if wp.abs(a[r, c]) > big:
-                big = wp.abs(a[r, c])
-                piv = r
-        if piv != c:
-            for k in range(D):
-                tmp = a[c, k]
-                a[c, k] = a[piv, k]
-                a[piv, k] = tmp
-                tmp = inv[c, k]
-                inv[c, k] = inv[piv, k]
-                inv[piv, k] = tmp
-        scale = T(1.0) / a[c, c]
-        for k in range(D):
-            a[c, k] = a[c, k] * scale
-            inv[c, k] = inv[c, k] * scale
-        for r in range(D):
-            if r != c:
-                m = a[r, c]
-                for k in range(D):
-                    a[r, k] = a[r, k] - m * a[c, k]
-                    inv[r, k] = inv[r, k] - m * inv[c, k]
-    return inv
-'''
-
-
-def _rosenbrock23_trial(method: Rosenbrock23) -> list[str]:
-    e32 = lit(method.tableau.e32)
-    return [
-        "Wi = w_inverse(t, y, h, p, s, i)",
-        "k1 = Wi * f0",
-        "f1 = field(t + T(0.5) * h, y + (T(0.5) * h) * k1, p, s, i)",
-        "k2 = Wi * (f1 - k1) + k1",
-        "y_new = y + h * k2",
-        "f_new = field(t + h, y_new, p, s, i)",
-        f"k3 = Wi * (f_new - {e32} * (k2 - f1) - T(2.0) * (k1 - f0))",
-        "err = (h / T(6.0)) * (k1 - T(2.0) * k2 + k3)",
-    ]
-
-
-def _rosenbrock23_plain(method: Rosenbrock23) -> str:
-    return _INVERSE + f'''
-
-@wp.func
-def w_inverse(t: T, y: V, h: T, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> M:
-    return inverse(wp.identity(n=D, dtype=T) - (h * {lit(method.tableau.d)}) * jac(t, y, p, s, i))
-
-
-@wp.func
-def plain(t: T, y: V, h: T, p: wp.array2d(dtype=T), s: wp.array(dtype=T), i: int) -> V:
-    if h == T(0.0):
-        return y
-    Wi = w_inverse(t, y, h, p, s, i)
-    k1 = Wi * field(t, y, p, s, i)
-    f1 = field(t + T(0.5) * h, y + (T(0.5) * h) * k1, p, s, i)
-    return y + h * (Wi * (f1 - k1) + k1)
-'''
 
 
 def _stage_points(tab, lo: int, hi: int, indent: str) -> list[str]:
@@ -203,7 +127,7 @@ def _stage_points(tab, lo: int, hi: int, indent: str) -> list[str]:
     names = [f"k{j}" for j in range(hi)]
     lines = []
     for j in range(lo, hi):
-        lines.append(f"{indent}Y{j} = y + h * ({_combo(tab.a_all[j - 1][:j], names[:j])})")
+        lines.append(f"{indent}Y{j} = y + h * ({combo(tab.a_all[j - 1][:j], names[:j])})")
         if j < hi - 1:
             lines.append(f"{indent}k{j} = field(t + {lit(tab.c_all[j - 1])} * h, Y{j}, p, s, i)")
     return lines
@@ -248,46 +172,6 @@ def _erk_step_vjp(tab) -> str:
     lines.append("    adj = adj + field_vjp(t, y, ak0, p, s, i, gp, gs)")
     lines.append("    return adj")
     return "\n".join(lines) + "\n"
-
-
-_ROSENBROCK23_STEP_VJP = '''
-
-@wp.func
-def step_vjp(t: T, y: V, h: T, lam: V, p: wp.array2d(dtype=T), s: wp.array(dtype=T),
-             i: int, gp: wp.array2d(dtype=T), gs: wp.array2d(dtype=T)) -> V:
-    if h == T(0.0):
-        return lam
-    f0 = field(t, y, p, s, i)
-    Wi = w_inverse(t, y, h, p, s, i)
-    WiT = wp.transpose(Wi)
-    k1 = Wi * f0
-    y1 = y + (T(0.5) * h) * k1
-    f1 = field(t + T(0.5) * h, y1, p, s, i)
-    u = f1 - k1
-    ak2 = h * lam
-    au = WiT * ak2
-    ay1 = field_vjp(t + T(0.5) * h, y1, au, p, s, i, gp, gs)
-    ak1 = ak2 - au + (T(0.5) * h) * ay1
-    af0 = WiT * ak1
-    aJ = (h * {gamma}) * (WiT * (wp.outer(ak2, u) + wp.outer(ak1, f0)) * WiT)
-    a0 = field_vjp(t, y, af0, p, s, i, gp, gs)
-    return lam + ay1 + a0 + jac_vjp(t, y, aJ, p, s, i, gp, gs)
-'''
-
-
-def _rosenbrock23_step_vjp(method: Rosenbrock23) -> str:
-    """`step_vjp` of Rosenbrock23's plain step (`_rosenbrock23_plain`):
-
-        W = I - h d J,  k1 = W^-1 f0,  y1 = y + (h/2) k1,  k2 = W^-1 (f1 - k1) + k1,
-        y_new = y + h k2.
-
-    Its adjoint recomputes W^-1, k1 and f1 from `y` and goes back through them: each
-    solve's adjoint is a product with W^-T (a transposed solve, with the inverse the
-    step already formed), and the inverse's own adjoint, `adj(W^-1) = adj(k2) u^T +
-    adj(k1) f0^T` (u = f1 - k1), reaches the Jacobian as `adj(J) = h d W^-T adj(W^-1)
-    W^-T`, which `jac_vjp` (the translated VJP of `jax.jacfwd` of the field) takes on
-    to `y` and the parameters."""
-    return _ROSENBROCK23_STEP_VJP.format(gamma=lit(method.tableau.d))
 
 
 def _dense_weights(tab, indent: str) -> list[str]:
@@ -340,7 +224,7 @@ def _erk_dense_advance(tab) -> str:
              "i: int) -> V:",
              "    k0 = field(t, y, p, s, i)"]
     lines += _stage_slopes(tab, 1, n, "    ")
-    lines.append(f"    y_new = y + h * ({_combo(tab.b[:n], names[:n])})")
+    lines.append(f"    y_new = y + h * ({combo(tab.b[:n], names[:n])})")
     lines.append("    if j1 > j0:")
     lines += _stage_slopes(tab, n, s, "        ")
     lines.append("        for j in range(j0, j1):")
@@ -415,8 +299,8 @@ EMITTERS = {
                                 step_vjp=lambda m: _erk_step_vjp(m.tableau),
                                 extension=lambda m: (_erk_dense_advance(m.tableau)
                                                      + _erk_dense_vjp(m.tableau))),
-    Rosenbrock23: Emitter(trial=_rosenbrock23_trial, plain=_rosenbrock23_plain,
-                          step_vjp=_rosenbrock23_step_vjp, extension=None),
+    Rosenbrock23: Emitter(trial=_rosenbrock23.trial, plain=_rosenbrock23.plain,
+                          step_vjp=_rosenbrock23.step_vjp, extension=None),
 }
 
 

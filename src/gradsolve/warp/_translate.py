@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..problem import Shared
+from ._source import lit
 
 
 class UntranslatableField(ValueError):
@@ -111,7 +112,7 @@ def _code(x) -> str:
         return x.name
     if isinstance(x, (bool, np.bool_)):
         return "True" if x else "False"
-    return f"T({float(x)!r})"
+    return lit(x)
 
 
 def _is_const(x) -> bool:
