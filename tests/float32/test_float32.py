@@ -109,14 +109,18 @@ def oscillator_f(t, y, p):
     return jnp.stack([y[1], -p["w"] ** 2 * y[0]])
 
 
-def test_tsit5_interpolated_outputs_in_float32():
-    """Outputs from Tsit5's continuous extension (interpolate=True) against the closed
+@pytest.mark.parametrize("method,bound", [("tsit5", 6e-5), ("vern7", 2e-5)])
+def test_interpolated_outputs_in_float32(method, bound):
+    """Outputs from the continuous extension (interpolate=True) against the closed
     form cos(w t): at rtol 1e-5 the mesh's own error dominates float32's roundoff;
-    measured 6.4e-6, as the integrated outputs' (both largest at t1). Bound ~10x."""
+    measured 6.4e-6 for Tsit5, as its integrated outputs' (both largest at t1), and
+    3.9e-6 for Vern7 (integrated 2.6e-6). Vern7's weights evaluated in the published
+    monomials cancel (coefficients to 1.2e3): 4.2e-5, which its bound (~5x) refuses;
+    the tableau's centred form (`dense_centered`) is what the replay evaluates."""
     w = jnp.array([1.0, 1.5, 2.0])
     prob = gs.EnsembleProblem(oscillator_f, y0=jnp.tile(jnp.array([1.0, 0.0]), (3, 1)),
                               params={"w": w}, t_span=(0.0, 5.0))
-    mesh = gs.record(prob, rtol=1e-5, atol=1e-7)
+    mesh = gs.record(prob, rtol=1e-5, atol=1e-7, method=method)
     ts = jnp.linspace(0.0, 5.0, 41)
     exact = np.cos(np.outer(w, ts))
     ys = gs.replay(prob, mesh, ts=ts, interpolate=True)
@@ -128,7 +132,7 @@ def test_tsit5_interpolated_outputs_in_float32():
     grads = jax.grad(lambda p: jnp.sum(gs.replay(prob, mesh, params=p, ts=ts,
                                                  interpolate=True) ** 2))({"w": w})
     assert np.all(np.isfinite(grads["w"]))
-    assert err < 6e-5
+    assert err < bound
 
 
 def test_checkpointed_fit_resumes_bit_for_bit_in_float32(tmp_path):

@@ -97,9 +97,9 @@ class ExplicitRungeKutta(Method):
         """The state at `t + theta h` inside the step `(t, y) -> y_new` of size `h`
         with stage slopes `K` (from `dense_step`): `y + h sum_i b_i(theta) K_i`."""
         del y_new  # the interpolant is written from the step's start
-        dense = jnp.asarray(self.tableau.dense, y.dtype)
-        powers = theta ** jnp.arange(1, dense.shape[1] + 1, dtype=y.dtype)
-        return y + h * ((dense @ powers) @ K)
+        centered = jnp.asarray(self.tableau.dense_centered, y.dtype)
+        powers = (theta - 0.5) ** jnp.arange(centered.shape[1], dtype=y.dtype)
+        return y + h * ((theta * (centered @ powers)) @ K)
 
     def plain_step(self, f: Callable, t, y, h, args):
         """One step of size `h` with no error estimate: what the replay differentiates.

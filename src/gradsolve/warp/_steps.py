@@ -175,15 +175,15 @@ def _erk_step_vjp(tab) -> str:
 
 
 def _dense_weights(tab, indent: str) -> list[str]:
-    """Statements `w{i} = b_i(theta)` (Horner) for every stage with a nonzero weight
-    in the continuous extension `tab.dense`: `b_i(theta) = sum_m dense[i, m]
-    theta^(m+1)`."""
-    lines = []
-    for i, row in enumerate(tab.dense):
+    """Statements `w{i} = b_i(theta)` for every stage with a nonzero weight in the
+    continuous extension, in the form `ExplicitRungeKutta.interpolate` evaluates:
+    `theta` times a polynomial in `theta - 1/2` (`tab.dense_centered`), by Horner."""
+    lines = [f"{indent}sd = theta - T(0.5)"]
+    for i, (row, centered) in enumerate(zip(tab.dense, tab.dense_centered)):
         if np.any(row != 0):
-            poly = lit(row[-1])
-            for c in row[-2::-1]:
-                poly = f"({lit(c)} + theta * {poly})"
+            poly = lit(centered[-1])
+            for c in centered[-2::-1]:
+                poly = f"({lit(c)} + sd * {poly})"
             lines.append(f"{indent}w{i} = theta * {poly}")
     return lines
 
