@@ -243,7 +243,7 @@ class Calibrator:
         # padded with headroom (`mesh.grown_width`) and replayed guarded.
         self.grows = self.one_fit or network_size(self.problem.params) >= NETWORK_SIZE
         if optimizer is None:  # least squares for residuals, but for a network's field
-            optimizer = (_least_squares.default_solver()
+            optimizer = (_least_squares.default_solver(self.problem.y0.dtype)
                          if residuals is not None and not self.grows else optax.adam(1e-2))
         _least_squares.check_solver(optimizer, residuals)
         self.least_squares = _least_squares.is_least_squares(optimizer)
