@@ -9,10 +9,10 @@ achieved accuracy (float64, a scalar loss of the final states).
 
 gradsolve's side is pinned, per row, to an engine: a method's name alone means the
 general recorder and the `general_replay` engine, "vern7 (kernel_adjoint)" the fused
-recorder and `kernel_adjoint`. Diffrax runs through `gs.engines.Diffrax(solver=...)` with max_steps = its own
-attempted steps + 10%, reverse mode the faster of default checkpoints and
-`checkpoints=max_steps`. Each side sweeps its own tolerances; ratios are Diffrax time
-/ gradsolve time at equal achieved error on each side's Pareto front.
+recorder and `kernel_adjoint`. Diffrax runs through `gs.engines.Diffrax(solver=...)`
+with max_steps = its own attempted steps + 10%, reverse mode the faster of default
+checkpoints and `checkpoints=max_steps`. Each side sweeps its own tolerances; ratios
+are Diffrax time / gradsolve time at equal achieved error on each side's Pareto front.
 
     .venv/bin/python benchmarks/stiff_and_high_order.py [--quick] [--only hires]
 """

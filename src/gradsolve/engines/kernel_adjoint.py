@@ -13,9 +13,9 @@ the same masking rule (a failed trajectory gives zero outputs and zero gradients
 Reverse mode only; Tsit5 (outputs at `ts` from its continuous extension by default,
 or integrated), Vern7 (the same, its extension's extra stages in the kernels) and
 Rosenbrock23 (its adjoint goes through W's inverse transposed and the Jacobian's own
-VJP; integrated outputs). The field and its VJP are translated from the JAX right-hand side (`warp/_translate.py`), so any
-field with a fused form that the translator accepts runs here, Equinox MLPs in
-`gs.Shared` included.
+VJP; integrated outputs). The field and its VJP are translated from the JAX
+right-hand side (`warp/_translate.py`), so any field with a fused form that the
+translator accepts runs here, Equinox MLPs in `gs.Shared` included.
 """
 
 from typing import ClassVar
