@@ -516,9 +516,11 @@ def test_a_fit_over_a_network_refreshes_by_default():
     # every ceil(6.25 K / rows) updates within [5, 50] (auto_refresh_every: the cost of
     # a record against an update's); a field without a network never; explicit values
     # stay.
-    from gradsolve.calibrate._calibrator import auto_refresh_every
-    assert [auto_refresh_every(n, b) for n, b in ((3, None), (256, 32), (1, None),
-                                                  (10000, 10), (64, 64))] == [7, 50, 7, 50, 7]
+    from gradsolve.calibrate._policies import LEAST_SQUARES_REFRESH, auto_refresh_every
+    assert [auto_refresh_every(n, b, True, False) for n, b in (
+        (3, None), (256, 32), (1, None), (10000, 10), (64, 64))] == [7, 50, 7, 50, 7]
+    assert auto_refresh_every(3, None, False, True) == LEAST_SQUARES_REFRESH
+    assert auto_refresh_every(3, None, False, False) is None
     prob, loss = _neural_problem(3), lambda ys, mlp, d: jnp.mean((ys - d) ** 2)  # noqa: E731
     data = jnp.full((3, 2), 0.3)
     one = gs.Calibrator(prob, loss, data=data)

@@ -36,48 +36,14 @@ from ..config import DEFAULT_MAX_STEPS, NETWORK_SIZE
 from ..record import record_rows
 from ..engines import recorder_of, with_recorder
 from ..mesh import GROWTH, Mesh, grown_width
-from ..problem import Shared, _is_shared, as_problem, network_size
+from ..problem import as_problem, network_size
 from ..router import plan, refusal, request_for
 from ..status import Status
-from . import _driver, _least_squares, _profile, _validate
+from . import _driver, _least_squares, _policies, _profile, _validate
 from ._checkpoint import check_directory, check_every
-from ._objective import (MAX_UPDATES_PER_CALL, Objective, make_optimistix_update,
-                         make_update, make_updates)
+from ._objective import (MAX_UPDATES_PER_CALL, Objective, all_shared, make_optimistix_update,
+                         make_update, make_updates, resharing)
 from ._state import FitState, FitStatus
-
-
-# refresh_every="auto" for a fit over a network (`gs.Shared` parameters of
-# config.NETWORK_SIZE numbers or more): re-record as often as keeps the records to ~10 %
-# of the fit's time. A record solves the fit's K trajectories forward once; an update
-# replays `rows` of them (its minibatch, else all K) forward and backward; on Diffrax's
-# neural ODE example a record of 256 trajectories took ~4.6 updates of 32 rows (26 ms
-# against 5.6 ms), ~0.6 update per K / rows. So every ceil(AUTO_REFRESH_PER_RATIO * K /
-# rows) updates, within AUTO_REFRESH_RANGE. Measured (benchmarks/neural_ode.py): the
-# Diffrax example (K / rows = 8: every 50) reached a full-data loss of 0.2197 where
-# never refreshing reached 0.2379 ("refresh": 300 updates); DiffEqFlux's spiral (K =
-# rows = 1: every 7) went from a loss of 192 to 1.2e4 (diverged) never refreshing, and
-# to 0.51 every 25, 0.67 every 10, 0.97 every 7, 0.32 every 5 and 0.058 at every update
-# in 500 updates ("spiral"; Diffrax's own gradient: 0.075).
-AUTO_REFRESH_PER_RATIO = 6.25
-AUTO_REFRESH_RANGE = (5, 50)
-
-
-# refresh_every="auto" for a least-squares fit: it converges in tens of updates, often
-# far from the parameters its mesh was recorded at, and should end on a mesh recorded
-# near its optimum. Measured on recipes/multistart.py (rtol 1e-8, 32 starts, 8 slots):
-# refreshing every 50 updates (the converged fits then never refreshed) left the best
-# fit 1.6e-6 from SciPy's loss and 1e-6 from its parameters; every 10, 1.3e-8 and
-# 3e-8, in 320 updates and 13.6 s with compiles (22 s every 50: fewer updates, same
-# compiles; each refresh evaluates the fit anew, its first update after one a
-# re-evaluation).
-LEAST_SQUARES_REFRESH = 10
-
-
-def auto_refresh_every(n: int, batch_size) -> int:
-    """`refresh_every="auto"` of one fit over a network with `n` trajectories and
-    minibatches of `batch_size` (None: all n); see `AUTO_REFRESH_PER_RATIO`."""
-    rows = n if batch_size is None else batch_size
-    return int(np.clip(np.ceil(AUTO_REFRESH_PER_RATIO * n / rows), *AUTO_REFRESH_RANGE))
 
 
 def _mesh_arrays(mesh):
@@ -142,11 +108,11 @@ class Calibrator:
             updates (None: never). The default, `"auto"`, refreshes fits over a network
             (64 numbers or more per trajectory, `problem.network_size`: a `gs.Shared`
             one or one per trajectory; or one fit over shared parameters) every
-            `auto_refresh_every(n, batch_size)` updates: 5 to 50, as often as keeps the
+            `_policies.auto_refresh_every` updates: 5 to 50, as often as keeps the
             records to ~10 % of the fit's time (50 for 256 trajectories in minibatches
             of 32, 7 without minibatches; B fits with minibatches get one fit's
             interval over all n, which is longer); least-squares fits every
-            `LEAST_SQUARES_REFRESH` (10) updates, so that they end on a mesh recorded
+            `_policies.LEAST_SQUARES_REFRESH` (10) updates, so that they end on a mesh recorded
             near their optimum; other fits never.
             A network trained on the mesh recorded for its initial weights stops
             improving or diverges (docs/calibrator.md, "The mesh during a fit").
@@ -233,9 +199,9 @@ class Calibrator:
         # One fit over the problem's shared parameters (a neural ODE's network): its
         # theta is the problem's params without the gs.Shared wrappers, and neither
         # theta0 nor data carries a fit axis (B = 1 inside).
-        self.one_fit = to_params is None and _all_shared(self.problem.params)
+        self.one_fit = to_params is None and all_shared(self.problem.params)
         if self.one_fit:
-            to_params = _resharing(self.problem.params)
+            to_params = resharing(self.problem.params)
             data = None if data is None else jax.tree.map(
                 lambda x: x[None] if eqx.is_array(x) or isinstance(x, np.ndarray) else x, data)
         # A network's field (shared: one fit's; or each trajectory's) gets stiffer as
@@ -260,8 +226,8 @@ class Calibrator:
                 f"minibatches")
         self._growth = GROWTH if self.grows else 1.0
         if isinstance(refresh_every, str) and refresh_every == "auto":
-            refresh_every = (auto_refresh_every(self.problem.n, batch_size) if self.grows
-                             else LEAST_SQUARES_REFRESH if self.least_squares else None)
+            refresh_every = _policies.auto_refresh_every(
+                self.problem.n, batch_size, self.grows, self.least_squares)
         for name, v in (("refresh_every", refresh_every), ("drift_every", drift_every),
                         ("batch_size", batch_size)):
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -282,7 +248,7 @@ class Calibrator:
             checkpoint_dir = check_directory(checkpoint_dir)
         self.residuals = residuals
         if residuals is not None:
-            loss = _half_squares(residuals)
+            loss = _least_squares.half_squares(residuals)
         self.loss, self.to_params, self.to_y0, self.data = loss, to_params, to_y0, data
         self.optimizer, self.transform = optimizer, transform
         self._engine, self.passed_over, self.config = plan(
@@ -290,7 +256,8 @@ class Calibrator:
             dt0=dt0, max_steps=max_steps, ts=ts, interpolate=interpolate, remat=remat,
             devices=devices, buckets=buckets, memory_budget=memory_budget)
         self.engine = self._engine.name
-        self._arrangements = None  # the last (key, Arrangement) of `_arrangement`
+        self._arrangements = layout.Arrangements(
+            self.config, self.problem.d, self.problem.y0.dtype.itemsize, self._growth)
         self.refresh_every, self.drift_every = refresh_every, drift_every
         self.batch_size = batch_size
         self.drift_tol = None if drift_tol is None else float(drift_tol)
@@ -446,28 +413,8 @@ class Calibrator:
                             self._arrangement(mesh, window.y0.shape[0], batch))
 
     def _arrangement(self, mesh, n, batch=None, cache=True):
-        """Where `n` trajectories are replayed on `mesh` (`layout/`): made anew when the
-        mesh's step counts change, its bucket widths never shrinking within a fit (each
-        new set of widths is a new compiled update). A minibatch (`batch` rows drawn
-        inside the update) is replayed as one bucket."""
-        if not self._engine.splits:
-            return None
-        if batch is not None:
-            return layout.arrange(batch, dmesh=self.config.devices, buckets=1,
-                                  columns=None if mesh is None else mesh.columns)
-        key = (n,) if mesh is None else (n, np.asarray(mesh.n_steps).tobytes(),
-                                         np.asarray(mesh.status).tobytes(), mesh.columns)
-        last = self._arrangements if cache else None
-        if last is not None and last[0] == key:
-            return last[1]
-        same_n = last is not None and last[0][0] == n
-        arr = layout.for_replay(mesh, n, self.config, self.problem.d,
-                                self.problem.y0.dtype.itemsize,
-                                min_widths=last[1].widths if same_n else None,
-                                growth=self._growth)
-        if cache:
-            self._arrangements = (key, arr)
-        return arr
+        """Where `n` trajectories are replayed on `mesh` (`layout.Arrangements`)."""
+        return self._arrangements(mesh, n, batch, cache) if self._engine.splits else None
 
     def _initial_state(self, u, static, S, K, steps, key):
         """The state of S starts, every one recorded at its theta0 (so the mesh width,
@@ -488,25 +435,3 @@ class Calibrator:
             key=jax.random.key_data(jax.random.key(0)) if key is None else jax.random.key_data(key),
             mesh=_mesh_arrays(mesh)))._replace(history=np.full((steps, S), np.nan, dtype),
                                                drift=np.full((steps, S), np.nan, dtype))
-
-def _half_squares(residuals):
-    """The scalar loss of a least-squares fit: half the squared norm of its residuals."""
-    def loss(ys_b, theta_b, data_b):
-        return 0.5 * jnp.sum(jnp.square(residuals(ys_b, theta_b, data_b)))
-    return loss
-
-
-def _all_shared(params) -> bool:
-    """Whether every parameter is in a `gs.Shared` (and there is one)."""
-    nodes = jax.tree.leaves(params, is_leaf=_is_shared)
-    return bool(nodes) and all(_is_shared(x) for x in nodes)
-
-
-def _resharing(params):
-    """`to_params` of one fit over `params`' shared values: the values back in their
-    `gs.Shared` wrappers (the structure only: no array of `params` is captured)."""
-    treedef = jax.tree.structure(params, is_leaf=_is_shared)
-
-    def to_params(theta_b):
-        return jax.tree.unflatten(treedef, [Shared(v) for v in treedef.flatten_up_to(theta_b)])
-    return to_params

@@ -79,6 +79,13 @@ def default_solver(dtype=jnp.float64):
     return optx.LevenbergMarquardt(rtol=rtol, atol=ATOL * rtol / RTOL)
 
 
+def half_squares(residuals):
+    """The scalar loss of a least-squares fit: half the squared norm of its residuals."""
+    def loss(ys_b, theta_b, data_b):
+        return 0.5 * jnp.sum(jnp.square(residuals(ys_b, theta_b, data_b)))
+    return loss
+
+
 def _jacobian_by(forward, P, M):
     """`jax.jacfwd` (P tangents) when the engine serves forward mode and P <= M, else
     `jax.jacrev` (M cotangents)."""

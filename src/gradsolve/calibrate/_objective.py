@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from .. import layout
-from ..problem import Shared, trajectory_params
+from ..problem import Shared, _is_shared, trajectory_params
 from . import _least_squares, _transforms
 from ._state import FitState, FitStatus
 
@@ -288,3 +288,19 @@ def make_updates(update):
             go_on, one, (jnp.zeros((), jnp.int32), state, record))
         return state, count, record
     return updates
+
+
+def all_shared(params) -> bool:
+    """Whether every parameter is in a `gs.Shared` (and there is one)."""
+    nodes = jax.tree.leaves(params, is_leaf=_is_shared)
+    return bool(nodes) and all(_is_shared(x) for x in nodes)
+
+
+def resharing(params):
+    """`to_params` of one fit over `params`' shared values: the values back in their
+    `gs.Shared` wrappers (the structure only: no array of `params` is captured)."""
+    treedef = jax.tree.structure(params, is_leaf=_is_shared)
+
+    def to_params(theta_b):
+        return jax.tree.unflatten(treedef, [Shared(v) for v in treedef.flatten_up_to(theta_b)])
+    return to_params

@@ -6,8 +6,9 @@ bound) -- and `apply(...)` between calls. The driver (`_driver.run`) runs a call
 as many updates as every policy allows (`updates_due`), then applies them:
 
 - `Refresh` (before a call): re-record a running fit's mesh when its own update count
-  reaches a multiple of `refresh_every`, or when the drift check every `drift_every`
-  finds its outputs moved more than `drift_tol`;
+  reaches a multiple of `refresh_every` (`auto_refresh_every`: what "auto" means for a
+  network's field, a least-squares fit and the others), or when the drift check every
+  `drift_every` finds its outputs moved more than `drift_tol`;
 - `Saves` (after a call): checkpoint cadence, every so many updates or a wall-time
   interval (`_checkpoint.Schedule`), and the save at the fit's end or interruption.
 
@@ -30,6 +31,44 @@ from ._state import FitStatus
 # next update where a refresh, drift check or counted save is due. Results do not
 # depend on it: every update, one per call or many, runs the same compiled body.
 CALL_SECONDS = 0.1
+
+
+# refresh_every="auto" for a fit over a network (`gs.Shared` parameters of
+# config.NETWORK_SIZE numbers or more): re-record as often as keeps the records to ~10 %
+# of the fit's time. A record solves the fit's K trajectories forward once; an update
+# replays `rows` of them (its minibatch, else all K) forward and backward; on Diffrax's
+# neural ODE example a record of 256 trajectories took ~4.6 updates of 32 rows (26 ms
+# against 5.6 ms), ~0.6 update per K / rows. So every ceil(AUTO_REFRESH_PER_RATIO * K /
+# rows) updates, within AUTO_REFRESH_RANGE. Measured (benchmarks/neural_ode.py): the
+# Diffrax example (K / rows = 8: every 50) reached a full-data loss of 0.2197 where
+# never refreshing reached 0.2379 ("refresh": 300 updates); DiffEqFlux's spiral (K =
+# rows = 1: every 7) went from a loss of 192 to 1.2e4 (diverged) never refreshing, and
+# to 0.51 every 25, 0.67 every 10, 0.97 every 7, 0.32 every 5 and 0.058 at every update
+# in 500 updates ("spiral"; Diffrax's own gradient: 0.075).
+AUTO_REFRESH_PER_RATIO = 6.25
+AUTO_REFRESH_RANGE = (5, 50)
+
+
+# refresh_every="auto" for a least-squares fit: it converges in tens of updates, often
+# far from the parameters its mesh was recorded at, and should end on a mesh recorded
+# near its optimum. Measured on recipes/multistart.py (rtol 1e-8, 32 starts, 8 slots):
+# refreshing every 50 updates (the converged fits then never refreshed) left the best
+# fit 1.6e-6 from SciPy's loss and 1e-6 from its parameters; every 10, 1.3e-8 and
+# 3e-8, in 320 updates and 13.6 s with compiles (22 s every 50: fewer updates, same
+# compiles; each refresh evaluates the fit anew, its first update after one a
+# re-evaluation).
+LEAST_SQUARES_REFRESH = 10
+
+
+def auto_refresh_every(n: int, batch_size, network: bool, least_squares: bool):
+    """`refresh_every="auto"`: for a fit over a network (`network`) with `n`
+    trajectories and minibatches of `batch_size` (None: all n), see
+    `AUTO_REFRESH_PER_RATIO`; else `LEAST_SQUARES_REFRESH` for a least-squares fit,
+    and None (never) for the others."""
+    if not network:
+        return LEAST_SQUARES_REFRESH if least_squares else None
+    rows = n if batch_size is None else batch_size
+    return int(np.clip(np.ceil(AUTO_REFRESH_PER_RATIO * n / rows), *AUTO_REFRESH_RANGE))
 
 
 def updates_due(policies, window, done, pace, max_updates, seconds_left=None):

@@ -50,6 +50,7 @@ from ._memory import (  # noqa: F401
 )
 from ._arrangement import (  # noqa: F401 - _layout: tests/test_scale.py
     Arrangement,
+    Arrangements,
     BUCKETS,
     BUCKET_SLACK,
     LANES,

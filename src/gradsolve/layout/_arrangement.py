@@ -220,6 +220,35 @@ def for_replay(mesh, n, cfg, d, itemsize, *, gradient=True, min_widths=None, gro
                     min_widths=min_widths, growth=growth)
 
 
+class Arrangements:
+    """The arrangements of one fit's successive meshes (a Calibrator's): made anew
+    when a mesh's step counts change, the bucket widths never shrinking (each new set
+    of widths is one more compile of the fit's update), and the last one kept. A
+    minibatch (`batch` rows drawn inside the update) is replayed as one bucket."""
+
+    def __init__(self, cfg, d, itemsize, growth=1.0):
+        self.cfg, self.d, self.itemsize, self.growth = cfg, d, itemsize, growth
+        self.last = None  # (key, Arrangement)
+
+    def __call__(self, mesh, n, batch=None, cache=True):
+        """Where `n` trajectories are replayed on `mesh`; `cache=False` leaves the
+        kept one as it was (a drift check's replay of a trial mesh)."""
+        if batch is not None:
+            return arrange(batch, dmesh=self.cfg.devices, buckets=1,
+                           columns=None if mesh is None else mesh.columns)
+        key = (n,) if mesh is None else (n, np.asarray(mesh.n_steps).tobytes(),
+                                         np.asarray(mesh.status).tobytes(), mesh.columns)
+        last = self.last if cache else None
+        if last is not None and last[0] == key:
+            return last[1]
+        same_n = last is not None and last[0][0] == n
+        arr = for_replay(mesh, n, self.cfg, self.d, self.itemsize,
+                         min_widths=last[1].widths if same_n else None, growth=self.growth)
+        if cache:
+            self.last = (key, arr)
+        return arr
+
+
 def replicated(tree, arr):
     """`tree` (under `jit`) constrained to be whole on every device of `arr`'s mesh,
     where the mesh spans processes: every process can then read the results."""
