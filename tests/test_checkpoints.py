@@ -293,6 +293,20 @@ def test_a_changed_setup_is_refused_naming_it(six_steps, tmp_path, change, named
     assert_same_state(over, calibrator(**change).fit(THETA0, steps=9, progress=False))
 
 
+def test_a_checkpoint_of_another_state_format_is_refused_naming_it(six_steps, tmp_path,
+                                                                  monkeypatch):
+    # A FitState field added or changed raises STATE_FORMAT; a checkpoint written under
+    # the previous format is refused by name, not restored into the wrong fields.
+    from gradsolve.calibrate import _fingerprint
+    ckpt = _copy(six_steps, tmp_path)
+    now = _fingerprint.STATE_FORMAT
+    monkeypatch.setattr(_fingerprint, "STATE_FORMAT", now + 1)
+    with pytest.raises(gs.calibrate.CheckpointMismatch,
+                       match=r"the fit state's format \(the checkpoint is from an older "):
+        calibrator(ckpt, checkpoint_every=3).fit(THETA0, steps=9, progress=False)
+    assert steps_in(ckpt) == [3, 6] and set_aside(ckpt) == []
+
+
 def test_another_theta0_is_refused(six_steps, tmp_path):
     ckpt = _copy(six_steps, tmp_path)
     with pytest.raises(gs.calibrate.CheckpointMismatch, match="theta0 changed"):
