@@ -273,6 +273,11 @@ P, BD = gs.transforms.Positive(), gs.transforms.Bounded(0.5, 2.0)
      ValueError, re.escape("""missing ["['k']"]; unexpected ["['rate']"]""")),
     ({"k": jnp.ones(2)}, dict(to_params=lambda th: th["nope"]), TypeError,
      r"to_params\(theta_b\) failed on fit 0's theta: KeyError"),
+    # theta0 of 4 fits where the data holds 2: named as theta0's count (it said "data
+    # must lead with B=4", the B taken from theta0 unsaid)
+    ({"k": jnp.ones(4)}, {}, ValueError,
+     r"data must lead with the number of fits theta0's leaves lead with, B=4, got shape "
+     r"\(2, 2, 1\)"),
 ])
 def test_bad_fit_inputs_are_named(theta0, kw, error, match):
     # These used to give NaN fits silently, or JAX's words from inside vmap.

@@ -169,7 +169,8 @@ def check_fit(cal, theta0, steps):
         for path, x in jax.tree_util.tree_leaves_with_path(cal.data):
             if np.shape(x)[:1] != (B,):
                 raise ValueError(f"data{jax.tree_util.keystr(path)} must lead with "
-                                 f"B={B}, got shape {np.shape(x)}")
+                                 f"the number of fits theta0's leaves lead with, B={B}, "
+                                 f"got shape {np.shape(x)}")
     _transforms.check(cal.transform, theta0)
     if cal.batch_size is not None:
         if cal.batch_size > n // B:
