@@ -226,19 +226,20 @@ except ValueError as e:
 """
 
 
-def test_float64_checkpoint_is_refused_without_x64(tmp_path):
+def test_float64_checkpoint_is_refused_without_x64(tmp_path, monkeypatch, capsys):
     # Orbax would silently cast float64 state to float32 in a process without x64;
-    # the metadata records x64 and resuming there is a clear error instead.
+    # the metadata records x64 and resuming there is a clear error instead. The
+    # float64 fit runs here (this process has x64 on), the resume in a process without.
+    import runpy
     import subprocess
-    import sys
     script = tmp_path / "fit.py"
     script.write_text(_DECAY_FIT)
     ckpt = str(tmp_path / "ckpt")
-    run = lambda mode: subprocess.run([sys.executable, str(script), ckpt, mode],
-                                      capture_output=True, text=True, timeout=300)
-    first = run("x64")
-    assert first.returncode == 0 and "REFUSED" not in first.stdout, first.stderr
-    second = run("x32")
+    monkeypatch.setattr(sys, "argv", [str(script), ckpt, "x64"])
+    runpy.run_path(str(script), run_name="__main__")
+    assert "REFUSED" not in capsys.readouterr().out and jax.config.jax_enable_x64
+    second = subprocess.run([sys.executable, str(script), ckpt, "x32"],
+                            capture_output=True, text=True, timeout=300)
     assert "REFUSED: the checkpoint holds float64 state but jax_enable_x64 is off" in \
         second.stdout, second.stdout + second.stderr
 
