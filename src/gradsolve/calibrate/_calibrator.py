@@ -41,8 +41,8 @@ from ..router import plan, refusal, request_for
 from ..status import Status
 from . import _driver, _least_squares, _policies, _profile, _validate
 from ._checkpoint import check_directory, check_every
-from ._objective import (MAX_UPDATES_PER_CALL, Objective, all_shared, make_optimistix_update,
-                         make_update, make_updates, resharing)
+from ._objective import (MAX_UPDATES_PER_CALL, Objective, all_shared,
+                         make_optimistix_update, make_update, make_updates, resharing)
 from ._state import FitState, FitStatus
 
 
@@ -112,8 +112,8 @@ class Calibrator:
             records to ~10 % of the fit's time (50 for 256 trajectories in minibatches
             of 32, 7 without minibatches; B fits with minibatches get one fit's
             interval over all n, which is longer); least-squares fits every
-            `_policies.LEAST_SQUARES_REFRESH` (10) updates, so that they end on a mesh recorded
-            near their optimum; other fits never.
+            `_policies.LEAST_SQUARES_REFRESH` (10) updates, so that they end on a mesh
+            recorded near their optimum; other fits never.
             A network trained on the mesh recorded for its initial weights stops
             improving or diverges (docs/calibrator.md, "The mesh during a fit").
         drift_every, drift_tol: every `drift_every` updates, record afresh and compare
