@@ -19,8 +19,9 @@ one place that cuts it:
 
 `Arrangement` is the plan (an order of the rows, filler rows to make the pieces
 equal, and the static widths); `arrange` makes it on the host from a mesh's step
-counts, `run` evaluates a replay function through it, and the outputs come back in
-the user's order. Across processes (`gs.distributed`), the device mesh spans every
+counts, `Arrangements` keeps a fit's successive ones (widths never shrinking), `run`
+evaluates a replay function through it, and the outputs come back in the user's
+order. Across processes (`gs.distributed`), the device mesh spans every
 process's devices and each process records its own rows (`record_rows`).
 
 The package: `_devices.py` (devices and processes), `_memory.py` (the memory
