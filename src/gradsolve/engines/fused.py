@@ -85,8 +85,9 @@ class FusedEngine(Engine):
 
     def interpolates_with(self, task, method):
         """The solve kernel serves `ts` from Tsit5's and Vern7's continuous extensions
-        and integrates Rosenbrock23's outputs (`_steps.has_kernel_extension`); a gradient follows
-        `interpolates` (the JAX replay serves every method's extension)."""
+        and integrates Rosenbrock23's outputs (`_steps.has_kernel_extension`); a
+        gradient follows `interpolates` (the JAX replay serves every method's
+        extension)."""
         if task == "solve":
             return _steps.has_kernel_extension(methods.get(method))
         return task in self.interpolates

@@ -97,11 +97,12 @@ class ButcherTableau:
                 raise ValueError(f"{self.name}: dense must have shape ({s + e}, q)")
             # Sums of rounded coefficients: exact up to roundoff in the terms' size
             # (Verner's reach 1.2e3, so a row's sum carries ~1e-13).
-            slack = lambda axis: 1e-13 + 16 * np.finfo(np.float64).eps * np.abs(dense).sum(axis)
-            if np.any(np.abs(dense.sum(axis=1) - np.pad(b, (0, e))) > slack(1)):
+            slack = [1e-13 + 16 * np.finfo(np.float64).eps * np.abs(dense).sum(axis)
+                     for axis in (0, 1)]
+            if np.any(np.abs(dense.sum(axis=1) - np.pad(b, (0, e))) > slack[1]):
                 raise ValueError(f"{self.name}: the continuous extension does not end "
                                  f"at the step's solution (b_i(1) != b_i)")
-            if np.any(np.abs(dense.sum(axis=0) - np.eye(dense.shape[1])[0]) > slack(0)):
+            if np.any(np.abs(dense.sum(axis=0) - np.eye(dense.shape[1])[0]) > slack[0]):
                 raise ValueError(f"{self.name}: the continuous extension's weights do "
                                  f"not sum to theta")
         fsal = bool(c[-1] == 1.0 and np.array_equal(a_lower[-1], b[:-1]) and b[-1] == 0)
