@@ -44,11 +44,16 @@ demo: $(STAMP)
 # session, no test changed: 609 s and 694 s (1192 worker-seconds against 753). On
 # 2026-12-05: 469 s at 53d5bee (800 worker-seconds), 496 s at 3182737 an hour later
 # (851: a faster PEtab load and two trimmed tests, on a slower machine).
-# Beside it, tests/float32 in a pytest of its own with jax_enable_x64 off (one switch
-# per process; float32 is how most JAX users run), started first in the background so
-# that it fills the core the main run leaves idle at its end; its output follows the
-# main run's, and either failing fails the target. Then, where nvidia-smi finds a GPU,
-# tests/gpu with Warp on CUDA (the runs before pin JAX and Warp to the CPU).
+# The main run and the float32 run compile on XLA's legacy CPU emitters
+# (GRADSOLVE_TEST_EMITTERS=legacy: half the compile time, tests/conftest.py says how
+# measured), which leave out the tests marked exact_across_shapes: those run in a third
+# pytest on XLA's default emitters, where their bit-for-bit comparisons hold.
+# Beside the main run, in the background, tests/float32 in a pytest of its own with
+# jax_enable_x64 off (one switch per process; float32 is how most JAX users run), then
+# the exact_across_shapes tests: they fill the core the main run leaves idle at its
+# end; their output follows the main run's, and any failing fails the target. Then,
+# where nvidia-smi finds a GPU, tests/gpu with Warp on CUDA (the runs before pin JAX
+# and Warp to the CPU).
 # A worker that dies (a segfault) is not replaced, --max-worker-restart=0: with a
 # replacement worker, a fresh clone's run on 2026-12-04 (XLA segfaulted compiling
 # test_workflow.py's minibatch fit, in the second of that day's two) hung with every
@@ -57,13 +62,18 @@ demo: $(STAMP)
 # memory maps (tests/conftest.py now releases each file's compiled programs). To see
 # what native code prints as it dies, run pytest with --capture=sys (fd capture keeps
 # it in the dead worker; sys capture also shows the checkpoint writer's logs).
-F32 := GRADSOLVE_TEST_X64=0 $(PY) -m pytest -q -p no:cacheprovider tests/float32
+F32 := GRADSOLVE_TEST_X64=0 GRADSOLVE_TEST_EMITTERS=legacy $(PY) -m pytest -q -p no:cacheprovider tests/float32
+EXACT := $(PY) -m pytest -q -p no:cacheprovider -m exact_across_shapes tests
 test: $(STAMP)
-	@echo "$(F32)   (in the background)"
-	@log=$$(mktemp); ($(F32) > $$log 2>&1; echo $$? > $$log.rc) & \
-	tests/suite.sh $(PY) -q -n auto --dist loadfile --no-loadscope-reorder --max-worker-restart=0 tests; main=$$?; \
+	@echo "$(F32); $(EXACT)   (in the background)"
+	@log=$$(mktemp); ($(F32) > $$log 2>&1; echo $$? > $$log.rc; \
+	 $(EXACT) > $$log.x 2>&1; echo $$? > $$log.xrc) & \
+	GRADSOLVE_TEST_EMITTERS=legacy tests/suite.sh $(PY) -q -n auto --dist loadfile \
+	    --no-loadscope-reorder --max-worker-restart=0 tests; main=$$?; \
 	wait; echo "-- tests/float32, jax_enable_x64 off:"; cat $$log; f32=$$(cat $$log.rc); \
-	rm -f $$log $$log.rc; test $$main -eq 0 && test $$f32 -eq 0
+	echo "-- the tests marked exact_across_shapes, on XLA's default emitters:"; cat $$log.x; \
+	exact=$$(cat $$log.xrc); rm -f $$log $$log.rc $$log.x $$log.xrc; \
+	test $$main -eq 0 && test $$f32 -eq 0 && test $$exact -eq 0
 	if nvidia-smi > /dev/null 2>&1; then GRADSOLVE_TEST_GPU=1 $(PY) -m pytest -q tests/gpu; \
 	else echo "tests/gpu not run: nvidia-smi finds no GPU"; fi
 

@@ -639,6 +639,7 @@ def test_a_profile_takes_its_rows_of_a_per_trajectory_dt0():
     assert np.all(np.isfinite(per_row.loss))
 
 
+@pytest.mark.exact_across_shapes
 def test_lbfgs_line_search_fits_per_fit_and_resumes_bit_for_bit(tmp_path):
     # optax.lbfgs takes value, grad and value_fn in update(): each fit gets its own,
     # value_fn its loss on its rows of the same mesh. y' = -k y fitted to exp(-k t)

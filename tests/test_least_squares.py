@@ -69,6 +69,7 @@ def test_levenberg_marquardt_is_the_default_and_reaches_the_closed_form(decay_fi
     assert np.asarray(res.loss).max() < 1e-20
 
 
+@pytest.mark.exact_across_shapes
 def test_a_fit_is_the_same_in_any_slot_and_resumes_bit_for_bit(decay_fit, tmp_path):
     cal, res = decay_fit
     alone = cal.fit(THETA0, steps=40, progress=False, slots=1)

@@ -121,6 +121,7 @@ def test_default_outputs_follow_the_extension_order():
         gs.solve(prob, ts=ts, interpolate="yes")
 
 
+@pytest.mark.exact_across_shapes
 def test_tsit5_interpolated_outputs(lorenz):
     # interpolate=True reads each output from Tsit5's continuous extension on the step
     # containing it (fourth order, the step's own slopes). Against the same 1e-13

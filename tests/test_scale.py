@@ -36,6 +36,7 @@ def _env(**extra):
     return env
 
 
+@pytest.mark.exact_across_shapes
 def test_several_devices_in_one_process():
     """scale_cases.py on four forced host devices (the count is fixed when JAX
     starts): split solve, record, replay, gradients and a Calibrator fit equal one
@@ -62,6 +63,7 @@ def _two_processes(tmp_path, first_port=None):
     return logs, [np.load(tmp_path / f"two.{i}.npz") for i in range(2)]
 
 
+@pytest.mark.exact_across_shapes
 def test_two_processes_reproduce_one(tmp_path):
     """Two processes joined by gs.distributed.initialize on the loopback address (CPU
     collectives over Gloo): each records its own share of the trajectories and
