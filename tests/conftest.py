@@ -41,8 +41,8 @@ else:
     # `make test` runs most of the suite (GRADSOLVE_TEST_EMITTERS=legacy) on XLA's
     # older CPU code generator, which compiles in about half the time of its default
     # fusion emitters: a Lorenz Calibrator's update 1.17 -> 0.59 s, test_replay.py's
-    # programs 17.6 -> 7.6 s; the whole suite in-tree from an empty cache took 6 min 41 s
-    # of wall and 11.5 min of CPU against 9 min 50 s and 18.4 min. Its arithmetic
+    # programs 17.6 -> 7.6 s; a fresh clone's .ci/run, setup included, took 6 min 31 s
+    # (user CPU 11.1 min) against 10 min 38 s (18.4 min) the same hour. Its arithmetic
     # differs in last bits between programs of different shapes (one slot against
     # eight, one device against four, outputs at ts against the end state: 1e-16 to
     # 2e-14 relative, measured on 2026-12-07), where the default emitters give the same
