@@ -7,7 +7,11 @@ cache off as in every script here):
   pass compiled: values and gradients share one compiled function), then a second;
 - gradient: the first `llh_and_grad()` after it, then a warm one;
 - the llh's difference from AMICI's reference (REFERENCES.md, AMICI at rtol = atol =
-  1e-8; ours at load's defaults, rtol 1e-8, atol 1e-10).
+  1e-8; ours at load's defaults, rtol 1e-8, atol 1e-10);
+- emitters: the same worker on a few models on XLA's default CPU code generator and on
+  its legacy one (`XLA_FLAGS=--xla_cpu_use_fusion_emitters=false`, set before JAX
+  starts), fresh processes alternated: what the compile-bound first llh and gradient
+  gain, what the warm gradient pays, whether the llh changes.
 
 A worker that runs past `TIMEOUT` seconds is recorded as such. AMICI is not installed
 here (it builds C++ with swig): its times are not measured.
@@ -20,6 +24,7 @@ import os
 from _harness import ROOT, main, md_table, spawn, target
 
 import re  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
@@ -82,13 +87,56 @@ def models(args):
     return {"timeout_s": TIMEOUT, "models": rows}
 
 
+# ------------------------------------------------------------------- emitters
+
+LEGACY = "--xla_cpu_use_fusion_emitters=false"
+EMITTER_MODELS = ("Boehm_JProteomeRes2014", "Bruno_JExpBot2016", "Fujita_SciSignal2010")
+
+
+def emitters(args):
+    """Each of `EMITTER_MODELS` in fresh processes on XLA's default CPU emitters and on
+    the legacy ones, alternated (which goes first swaps every round)."""
+    names = EMITTER_MODELS[:1] if args.quick else EMITTER_MODELS
+    repeats = 1 if args.quick else (args.repeats or 2)
+    rows = {}
+    for name in names:
+        runs = {"default": [], "legacy": []}
+        for rep in range(repeats):
+            for kind in sorted(runs, reverse=bool(rep % 2)):
+                env = dict(os.environ)
+                if kind == "legacy":
+                    env["XLA_FLAGS"] = " ".join(filter(None, (env.get("XLA_FLAGS"), LEGACY)))
+                runs[kind].append(spawn(__file__, "model", env=env, timeout=TIMEOUT,
+                                        model=name))
+        rows[name] = runs
+        print(f"  {name}: {runs}", flush=True)
+    return {"flag": LEGACY, "models": rows}
+
+
+def emitter_table(e):
+    def med(runs, key):
+        return statistics.median(r[key] for r in runs)
+    rows = []
+    for name, runs in e["models"].items():
+        d, g = runs["default"], runs["legacy"]
+        first = [med(x, "llh_s") + med(x, "grad_s") for x in (d, g)]
+        warm = [1e3 * med(x, "grad_again_s") for x in (d, g)]
+        rows.append([name, f"{first[0]:.2f}", f"{first[1]:.2f}", f"{first[1] / first[0]:.2f}",
+                     f"{warm[0]:.0f}", f"{warm[1]:.0f}",
+                     f"{max(abs(r['llh'] - d[0]['llh']) for r in d + g):.1e}"])
+    return md_table(["model", "first llh + first gradient s, default", "legacy",
+                     "legacy / default", "warm gradient ms, default", "legacy",
+                     "largest llh difference"], rows)
+
+
 def _s(row, key):
     return f"{row[key]:.2f}" if key in row else "-"
 
 
 def render(sections):
+    blocks = {"emitters": emitter_table(sections["emitters"])} if "emitters" in sections else {}
     if "models" not in sections:
-        return {}
+        return blocks
     table = []
     for name, r in sections["models"]["models"].items():
         if "refused" in r:
@@ -104,7 +152,7 @@ def render(sections):
             _s(r, "load_s"), _s(r, "llh_s"), _s(r, "llh_again_s"), grad,
             _s(r, "grad_again_s"), f"{r['llh']:.6f}" if "llh" in r else "-",
             f"{r['diff']:.1e}" if "diff" in r else "no reference"])
-    return {"models": md_table(
+    return {**blocks, "models": md_table(
         ["model", "conditions x states, estimated parameters", "load s", "first llh s",
          "llh s", "first gradient s (after the llh)", "gradient s", "llh at nominal",
          "llh difference from AMICI's reference"], table)}
@@ -125,5 +173,5 @@ def targets(sections):
 if __name__ == "__main__":
     if not DATA.is_dir():
         raise SystemExit(f"the benchmark collection is not at {DATA} (../shared/data)")
-    main("petab_collection", __doc__, {"models": models}, render, targets,
-         workers={"model": model_worker})
+    main("petab_collection", __doc__, {"models": models, "emitters": emitters}, render,
+         targets, workers={"model": model_worker})
