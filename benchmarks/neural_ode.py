@@ -4,30 +4,26 @@ series of 100 points on [0, 10] of `y' = (x_1, -x_0)`, `x = y / (1 + y)`, from
 `y0 ~ U(-0.6, 1)^2`; minibatches of 32 series, Adam 3e-3, Tsit5 at rtol 1e-3,
 atol 1e-6, outputs at the 100 times.
 
-- gradsolve: a `gs.Calibrator` on its defaults (one fit, the MLP in `gs.Shared`,
-  `batch_size=32`; outputs from Tsit5's continuous extension, the mesh refreshed every
-  50 updates, remat off for a network) on the router's engine;
+- gradsolve: a `gs.Calibrator` on defaults (one fit, the MLP in `gs.Shared`,
+  `batch_size=32`; outputs from Tsit5's continuous extension, the mesh re-recorded at
+  `refresh_tol` = 2 * 256 / 32, remat off for a network) on the router's engine;
 - Diffrax: the example's `make_step` (`eqx.filter_jit` of `filter_value_and_grad`
   through `diffeqsolve` and the Optax update), minibatches from a NumPy permutation.
 
 Sections:
-- training (float64) and training_float32 (a fresh process with `jax_enable_x64`
-  off): time per update = (median T(N2) - median T(N1)) / (N2 - N1) of warm runs; the
-  first update, from building the Calibrator / `make_step` with every compile, median
-  of fresh processes (alternating which side runs first); the loss on all 256 series
-  after N2 updates, each side's network solved by Diffrax;
-- outputs: the gradient of 32 trajectories on one recorded mesh with no outputs, 100
-  integrated outputs (an extra step each) and 100 from the continuous extension,
-  beside Diffrax's gradient with `SaveAt(ts=...)`;
-- refresh: refresh_every None, 10, 25, 50, 100 on the example, 300 updates each from
-  the same network: wall time (compiles included) and full-data loss;
-- spiral: DiffEqFlux's neural ODE example (`u' = A u^3`, u0 = (2, 0), 30 points on
-  [0, 1.5], `Dense(2, 50, tanh), Dense(50, 2)` on `u^3`, Adam 0.05, sum of squares,
-  Tsit5 at DifferentialEquations.jl's default rtol 1e-3, atol 1e-6): the wall time of
-  500 updates including every compile on the Calibrator's defaults, from building the
-  Calibrator to the fit's end (the data's own solve apart), in a fresh process with
-  the persistent compilation cache off (DiffEqFlux's optimised figure: 2.7 s); then the loss after 500 updates refreshing never, every 25, 10, 5 updates
-  and at every update, and with Diffrax's own gradient in the same loop.
+- training (float64) and training_float32 (`jax_enable_x64` off): time per update =
+  (median T(N2) - median T(N1)) / (N2 - N1) of warm runs; the first update (compiles
+  included), median of fresh processes taking turns; the loss on all 256 series
+  after N2 updates, solved by Diffrax;
+- outputs: the gradient of 32 trajectories on one mesh with no outputs, 100 integrated
+  (an extra step each) and 100 interpolated, beside Diffrax's with `SaveAt(ts=...)`;
+- refresh: every None, 10, 25, 50, 100 updates (no check) and the default check, 300
+  updates each from one network: wall time (compiles included), full-data loss;
+- spiral: DiffEqFlux's example (`u' = A u^3`, u0 = (2, 0), 30 points on [0, 1.5],
+  `Dense(2, 50, tanh), Dense(50, 2)` on `u^3`, Adam 0.05, Tsit5 at rtol 1e-3, atol
+  1e-6): 500 updates on defaults, from building the Calibrator to the fit's end with
+  every compile, in fresh processes without the persistent cache (DiffEqFlux's
+  optimised figure: 2.7 s); the losses from 4 initial networks (`SPIRAL_SWEEP`).
 
     .venv/bin/python benchmarks/neural_ode.py [--quick] [--only outputs]
 """
@@ -35,6 +31,7 @@ Sections:
 import os
 
 from _harness import ROOT, fmt, log, main, md_table, spawn, target, timed_fit, warm
+from _spiral import SPIRAL_SWEEP, spiral_run
 
 import time  # noqa: E402
 import types  # noqa: E402
@@ -88,13 +85,14 @@ def full_loss(mlp, y0, ts, data):
     return float(jnp.mean((jax.vmap(diffrax_solve, (None, 0, None))(mlp, y0, ts) - data) ** 2))
 
 
-def calibrator(ts, data, y0, mlp, refresh_every="auto"):
+def calibrator(ts, data, y0, mlp, refresh_every="auto", refresh_tol="auto"):
     """One fit over the problem's shared network (no fit axis): `(cal, theta0)`."""
     prob = gs.EnsembleProblem(mlp_field, y0=y0, params={"mlp": gs.Shared(mlp)},
                               t_span=(0.0, 10.0), name="neural_ode")
     cal = gs.Calibrator(prob, lambda ys, theta, d: jnp.mean((ys - d) ** 2), data=data,
                         ts=ts, rtol=RTOL, atol=ATOL, batch_size=BATCH,
-                        optimizer=optax.adam(LR), refresh_every=refresh_every)
+                        optimizer=optax.adam(LR), refresh_every=refresh_every,
+                        refresh_tol=refresh_tol)
     return cal, {"mlp": mlp}
 
 
@@ -197,58 +195,20 @@ def outputs(args):
 
 
 def refresh(args):
-    """Refresh policies on the example, each from the same network: the wall time of
-    `steps` updates (compiles included: a refresh that widens the mesh compiles the
-    update again) and the full-data loss after them."""
+    """Refresh policies on the example from the same network: wall time of `steps`
+    updates (compiles included) and the full-data loss after them."""
     steps, runs = 60 if args.quick else 300, {}
     ts, data, y0, mlp = setup()
-    for every in (None, 10, 25, 50, 100):
-        cal, theta0 = calibrator(ts, data, y0, mlp, refresh_every=every)
+    for every, tol in ((None, None), (10, None), (25, None), (50, None), (100, None),
+                       ("auto", "auto")):
+        cal, theta0 = calibrator(ts, data, y0, mlp, refresh_every=every, refresh_tol=tol)
         dt, res = timed_fit(cal, theta0, steps)
-        runs[str(every)] = {"wall_s": dt, "refreshes": int(res.refreshes),
-                            "full_loss": full_loss(res.best().theta["mlp"], y0, ts, data)}
-        log(f"  refresh_every={every}: {dt:.1f} s, full loss {runs[str(every)]['full_loss']:.4g}")
+        name = (f"refresh_tol {cal.refresh_tol:g} (default)" if tol == "auto"
+                else f"every {every}")
+        runs[name] = {"wall_s": dt, "refreshes": int(res.refreshes),
+                      "full_loss": full_loss(res.best().theta["mlp"], y0, ts, data)}
+        log(f"  {name}: {dt:.1f} s, full loss {runs[name]['full_loss']:.4g}")
     return {"steps": steps, "full_loss_start": full_loss(mlp, y0, ts, data), "runs": runs}
-
-
-SPIRAL_A = jnp.array([[-0.1, 2.0], [-2.0, -0.1]])
-
-
-def spiral_run(spec):
-    """The spiral fit in this (fresh) process: seconds from building the Calibrator to
-    the end of 500 updates (the data's solve, with its compiles, timed apart), and the
-    loss before and after."""
-    t_data = time.perf_counter()
-    dtype = jnp.zeros(()).dtype
-    ts = jnp.linspace(0.0, 1.5, 30, dtype=dtype)
-    u0 = jnp.array([[2.0, 0.0]], dtype)
-    truth = gs.EnsembleProblem(lambda t, u, p: (u ** 3) @ SPIRAL_A.astype(u.dtype), y0=u0,
-                               params=None, t_span=(0.0, 1.5))
-    data = gs.solve(truth, ts=ts, rtol=1e-8, atol=1e-10).raise_for_status().ys
-    t0 = time.perf_counter()
-    mlp = eqx.nn.MLP(2, 2, 50, 1, activation=jnp.tanh, key=jax.random.key(0))
-    mlp = jax.tree.map(lambda x: x.astype(dtype) if eqx.is_array(x) else x, mlp)
-    prob = gs.EnsembleProblem(lambda t, u, p: p["mlp"](u ** 3), y0=u0,
-                              params={"mlp": gs.Shared(mlp)}, t_span=(0.0, 1.5))
-    cal = gs.Calibrator(prob, lambda ys, m, d: jnp.sum((ys - d) ** 2),
-                        to_params=lambda m: {"mlp": gs.Shared(m)}, data=data[None], ts=ts,
-                        rtol=1e-3, atol=1e-6, optimizer=optax.adam(0.05),
-                        refresh_every=spec["refresh_every"], engine=spec.get("engine"))
-    theta0 = jax.tree.map(lambda x: x[None] if eqx.is_array(x) else x, mlp)
-    built = time.perf_counter() - t0
-    res = cal.fit(theta0, steps=spec["steps"], progress=False)
-    jax.block_until_ready(res.theta)
-    return {"wall_s": time.perf_counter() - t0, "setup_s": built, "data_s": t0 - t_data,
-            "engine": res.engine, "updates": int(res.updates),
-            "refreshes": int(res.refreshes), "refresh_every": cal.refresh_every,
-            "loss_first": float(res.history[0, 0]), "loss_last": float(res.loss[0])}
-
-
-# The spiral's refresh sweep (the loss after 500 updates against how often the mesh is
-# re-recorded), beside Diffrax's own adaptive gradient in the same loop.
-SPIRAL_SWEEP = ({"refresh_every": None}, {"refresh_every": 25}, {"refresh_every": 10},
-                {"refresh_every": 5}, {"refresh_every": 1},
-                {"refresh_every": None, "engine": "diffrax"})
 
 
 def spiral(args):
@@ -293,7 +253,7 @@ def render(sections):
         r = sections["refresh"]
         blocks["refresh"] = (f"{r['steps']} updates from the same network (full-data loss "
                              f"{r['full_loss_start']:.4f} at the start).\n\n" + md_table(
-                                 ["refresh_every", "wall s (compiles included)", "refreshes",
+                                 ["policy", "wall s (compiles included)", "refreshes",
                                   "full-data loss after"],
                                  [[k, f"{x['wall_s']:.2f}", x["refreshes"],
                                    f"{x['full_loss']:.4f}"] for k, x in r["runs"].items()]))
@@ -302,12 +262,15 @@ def render(sections):
         rows = [(f"{i + 1}, defaults", x) for i, x in enumerate(r["runs"])] + \
             [("sweep", x) for x in r.get("sweep", ())]
         blocks["spiral"] = md_table(
-            ["run", "engine", "refresh_every", "wall s (500 updates, compiles included)",
-             "of which setup s", "data's solve s (apart)", "refreshes", "loss first -> last"],
-            [[run, x["engine"], x.get("refresh_every", 25), f"{x['wall_s']:.2f}",
-              f"{x['setup_s']:.2f}", f"{x['data_s']:.2f}" if "data_s" in x else "in wall",
-              x["refreshes"],
-              f"{x['loss_first']:.3g} -> {x['loss_last']:.3g}"] for run, x in rows])
+            ["run", "seed", "engine", "refresh_every", "refresh_tol",
+             "wall s (500 updates, compiles included)", "of which setup s",
+             "data's solve s (apart)", "refreshes", "loss first -> last",
+             "median loss, last 100"],
+            [[run, x.get("seed", 0), x["engine"], x.get("refresh_every", 25),
+              fmt(x.get("refresh_tol")), f"{x['wall_s']:.2f}", f"{x['setup_s']:.2f}",
+              f"{x['data_s']:.2f}", x["refreshes"],
+              f"{x['loss_first']:.3g} -> {x['loss_last']:.3g}",
+              f"{x.get('loss_median_last100', np.nan):.3g}"] for run, x in rows])
     return blocks
 
 
@@ -327,8 +290,17 @@ def targets(sections):
         out.append(target("Neural ODE gradient, 100 outputs / no outputs", "<=", 1.3,
                           {"interpolated": g["interpolated"] / g["no outputs"]}))
     if "spiral" in sections:  # seconds against DiffEqFlux's 2.7 s, as a ratio
+        r = sections["spiral"]
         out.append(target("DiffEqFlux spiral, 500 updates incl. compile / 2.7 s", "<=", 1,
-                          {"float64": sections["spiral"]["median_wall_s"] / 2.7}))
+                          {"float64": r["median_wall_s"] / 2.7}))
+        picked = [x for x in r["runs"][:1] + r.get("sweep", []) if x.get("refresh_every") is None]
+
+        def by_seed(engine, tol):
+            return {x.get("seed", 0): x["loss_median_last100"] for x in picked
+                    if x["engine"] == engine and x.get("refresh_tol") == tol}
+        ours, theirs = by_seed("general_replay", 2.0), by_seed("diffrax", None)
+        out.append(target("Spiral, median loss of the last 100 updates / Diffrax's", "<=", 1,
+                          {f"seed {k}": ours[k] / v for k, v in theirs.items() if k in ours}))
     return out
 
 

@@ -10,8 +10,9 @@ rtol 1e-3, atol 1e-6; the example's length strategy: `--steps` updates on the fi
 10 % of each series, then as many on all of it. The network sits in the problem as
 `gs.Shared`, so the Calibrator fits it once over every series with no fit axis
 anywhere (docs/calibrator.md, section 5); the outputs come from Tsit5's continuous
-extension and the mesh is re-recorded every 50 updates (both defaults: the second is
-`refresh_every="auto"` for 256 series in minibatches of 32). It
+extension and the mesh is re-recorded when a step of it, replayed at the current
+network, errs above 16 tolerances (both defaults: the second is `refresh_tol="auto"`
+for 256 series in minibatches of 32). It
 prints each stage's loss and time and plots a series against the trained model's.
 """
 

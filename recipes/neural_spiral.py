@@ -7,9 +7,10 @@ The data are K trajectories of the true field (`gs.problems.neural_spiral`'s
 `spiral_f`, the classic example of torchdiffeq and Diffrax) observed at 40 times in
 [0, 10]; the model is `gs.problems.neural_spiral`, an Equinox MLP (tanh) in
 `gs.Shared`, trained with Adam by one Calibrator fit (B = 1) through the replay on the
-recorded mesh, refreshed every 50 updates. A capability demonstration: the loss falls
-(1000 updates, K = 8, width 32: measured 0.75 -> 0.023) and the plot shows learned
-against true trajectories.
+recorded mesh, refreshed every 50 updates and whenever a step of it errs above 2
+tolerances at the current network (`refresh_tol`, on by default). A capability
+demonstration: the loss falls (1000 updates, K = 8, width 32: measured 0.75 -> 0.023)
+and the plot shows learned against true trajectories.
 """
 
 import _common

@@ -182,6 +182,8 @@ def test_transforms_keep_parameters_in_range():
     (dict(checkpoint_every=5), "checkpoint_every needs checkpoint_dir"),
     (dict(drift_every=5), "drift_every and drift_tol go together"),
     (dict(recorder="warp"), "recorder must be None, 'general' or 'fused'"),
+    (dict(refresh_tol=0.5), 'refresh_tol must be None, "auto" or a number >= 1'),
+    (dict(refresh_tol=2.0), "refresh_tol=2.0 needs the replay's error check"),
 ])
 def test_bad_calibrator_settings_are_refused(lorenz, kw, match):
     with pytest.raises((TypeError, ValueError), match=match):
@@ -546,6 +548,126 @@ def test_a_fit_over_a_network_refreshes_by_default():
     from gradsolve.problem import network_size
     assert network_size(own.params) == network_size(prob.params) == 114
     assert gs.Calibrator(own, loss, data=data[None], to_params=lambda m: m).refresh_every == 7
+
+
+SPIRAL_A = jnp.array([[-0.1, 2.0], [-2.0, -0.1]])
+
+
+@pytest.fixture(scope="module")
+def spiral():
+    """DiffEqFlux's spiral, small: `u' = MLP(u^3)` (2 -> 8 tanh -> 2) from (2, 0) on
+    [0, 1.5], data at 10 times from the true `u' = (u^3) A`; Adam at 0.05 moves the
+    network far between updates (the case a stale mesh fails)."""
+    ts = jnp.linspace(0.0, 1.5, 10)
+    u0 = jnp.array([[2.0, 0.0]])
+    truth = gs.EnsembleProblem(lambda t, u, p: (u ** 3) @ SPIRAL_A.astype(u.dtype), y0=u0,
+                               params=None, t_span=(0.0, 1.5))
+    data = gs.solve(truth, ts=ts, rtol=1e-10, atol=1e-12).raise_for_status().ys[0]
+    mlp = eqx.nn.MLP(2, 2, 8, 1, activation=jnp.tanh, key=jax.random.key(0))
+    prob = gs.EnsembleProblem(lambda t, u, p: p["mlp"](u ** 3), y0=u0,
+                              params={"mlp": gs.Shared(mlp)}, t_span=(0.0, 1.5))
+    return prob, ts, data
+
+
+def _spiral_calibrator(spiral, **kw):
+    prob, ts, data = spiral
+    return gs.Calibrator(prob, lambda ys, m, d: jnp.sum((ys - d) ** 2), data=data, ts=ts,
+                         rtol=1e-3, atol=1e-6, optimizer=optax.adam(0.05), **kw)
+
+
+def test_replay_error_check_equals_the_recorders_error_ratio(spiral):
+    # The replay's check (replay_function(check=True)) reads each step's embedded
+    # error estimate from the slopes its continuous extension keeps. Reference: the
+    # recorder's own trial step (its error estimate from its stages, the controller's
+    # error_ratio) scanned along the same mesh. On the mesh recorded at these
+    # parameters (4 steps, the last 1.18 long) every step was accepted (ratio 2e-3);
+    # with the network's output 30 times larger its last step fails (ratio 188).
+    # Equal to roundoff of the estimate: it is a cancelling sum of slopes, h sum w_j
+    # (K_j - K_0), about 1e-6 of them at ratio 2e-3, so eps |K| / |error| ~ 1e-10
+    # (measured 3e-16 on XLA's default CPU emitters, 7e-11 on the legacy ones, which
+    # order the sums otherwise; bound 1e-9).
+    from gradsolve import control, methods
+    from gradsolve.config import make_config
+    from gradsolve.replay import replay_function
+    prob, ts, _ = spiral
+    tsit5 = methods.get("tsit5")
+    mesh = gs.record(prob, rtol=1e-3, atol=1e-6)
+    check = eqx.filter_jit(replay_function(prob, make_config(prob, ts=ts, rtol=1e-3, atol=1e-6),
+                                    check=True))
+
+    def reference(mlp):
+        def f(t, y, m):
+            return m(y ** 3)
+
+        def body(carry, h):
+            t, y, f0 = carry
+            y_new, err, f_new = tsit5.trial_step(f, t, y, f0, jnp.where(h > 0, h, 1.0), mlp)
+            ratio = control.error_ratio(y, y_new, err, 1e-3, 1e-6)
+            took = h > 0
+            return ((t + h, jnp.where(took, y_new, y), jnp.where(took, f_new, f0)),
+                    jnp.where(took, ratio, 0.0))
+        y0 = prob.y0[0]
+        return jax.lax.scan(body, (jnp.zeros(()), y0, f(0.0, y0, mlp)), mesh.h[0])[1].max()
+    mlp = prob.params["mlp"].value
+    larger = eqx.tree_at(lambda m: (m.layers[-1].weight, m.layers[-1].bias), mlp,
+                         replace_fn=lambda x: 30 * x)
+    for net, accepted in ((mlp, True), (larger, False)):
+        _, ratio = check(mesh, {"mlp": gs.Shared(net)}, prob.y0)
+        expected = float(reference(net))
+        assert (expected < 1) == accepted, expected
+        assert rel_err(ratio[0], expected) <= 1e-9, (float(ratio[0]), expected)
+
+
+def test_a_networks_mesh_is_rerecorded_when_its_steps_fail_the_error_check(spiral,
+                                                                           tmp_path):
+    # refresh_tol="auto" on a network's fit (outputs from Tsit5's continuous
+    # extension): the mesh is re-recorded when one of its steps, replayed at the
+    # current network, errs above 2 tolerances, and the update that found it runs
+    # again on the new mesh. No periodic refresh then. On DiffEqFlux's spiral,
+    # refreshing every 7 updates (the default before) ended 7-500x above Diffrax's
+    # own gradient from 4 seeds; this check ended at or below it
+    # (`_policies.REFRESH_TOL`).
+    from gradsolve.calibrate._policies import REFRESH_TOL
+    prob, ts, data = spiral
+    cal = _spiral_calibrator(spiral)
+    assert cal.refresh_tol == REFRESH_TOL and cal.refresh_every is None
+    res = cal.fit(steps=40, progress=False)
+    assert res.updates == 40 and 3 <= res.refreshes < 40, res.refreshes  # measured 10
+    # The mesh stays valid: the loss the fit computed at its 40th update is the loss
+    # of the network it started that update from (the 39th's result) solved
+    # accurately (rtol 1e-10), to within what 2 tolerances per step allow (measured
+    # 1.8e-3 relative; bound 2e-2). Never refreshing, the fit computes the loss of a
+    # mesh the network outgrew (measured 0.45 relative off).
+    def true_loss(cal):
+        net = cal.fit(steps=39, progress=False).best().theta["mlp"]
+        solved = gs.solve(prob.replace(params={"mlp": gs.Shared(net)}), ts=ts, rtol=1e-10,
+                          atol=1e-12).raise_for_status().ys[0]
+        return float(jnp.sum((solved - data) ** 2))
+    stale_cal = _spiral_calibrator(spiral, refresh_tol=None, refresh_every=None)
+    stale = stale_cal.fit(steps=40, progress=False)
+    assert rel_err(res.history[39, 0], true_loss(cal)) <= 2e-2
+    assert stale.refreshes == 0 and rel_err(stale.history[39, 0], true_loss(stale_cal)) > 0.1
+    # Results do not depend on how updates are split into calls of the compiled loop
+    # (the check depends on the fit's own parameters and mesh), nor on a Ctrl-C and
+    # a resume from the checkpoint it saved.
+    one = _spiral_calibrator(spiral)
+    one._max_updates = 1
+    one = one.fit(steps=40, progress=False)
+    assert_same_state(one, res)
+    np.testing.assert_array_equal(one.history, res.history)
+    interrupted = _spiral_calibrator(spiral, checkpoint_dir=tmp_path / "fit")
+    interrupted, _ = _calls_of_the_update(interrupted, interrupt_at=20)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.fit(steps=40, progress=False)
+    resumed = _spiral_calibrator(spiral, checkpoint_dir=tmp_path / "fit").fit(
+        steps=40, progress=False)
+    assert resumed.resumed_from not in (None, 0, 40)
+    assert_same_state(resumed, res)
+    np.testing.assert_array_equal(resumed.history, res.history)
+    # Minibatches: 2 * n / batch_size (a refresh records all n rows).
+    neural = _neural_problem(3)
+    assert gs.Calibrator(neural, lambda ys, m, d: jnp.mean(ys), data=jnp.zeros((3, 2, 2)),
+                         ts=ts[:2], batch_size=1).refresh_tol == 6.0
 
 
 @pytest.mark.parametrize("activation,B", [(jax.nn.softplus, 1), (jax.nn.relu, 2)])

@@ -101,9 +101,9 @@ def test_ctrl_c_between_an_update_and_its_history_resumes_bit_identically(tmp_pa
     update, calls = cal._update, []
 
     def ctrl_c_at_13(*args, **kwargs):
-        new, count, (at, ran, losses) = update(*args, **kwargs)
+        new, count, (at, ran, losses), stale = update(*args, **kwargs)
         calls.append(1)
-        return new, count, (at, ran, _CtrlC() if len(calls) == 13 else losses)
+        return new, count, (at, ran, _CtrlC() if len(calls) == 13 else losses), stale
     cal._update = ctrl_c_at_13
     with pytest.raises(KeyboardInterrupt):
         cal.fit(THETA0, steps=STEPS, progress=False)

@@ -17,7 +17,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import layout, methods
+from . import control, layout, methods
 from .config import check_interpolate, check_ts, make_config
 from .mesh import Mesh, guarded_from
 from .problem import as_problem, field, param_axes
@@ -105,23 +105,46 @@ def arranged_replay(f_jax, method, mesh, params, y0, ts, remat, interpolate, arr
                       arr, mesh, params, y0)
 
 
-def replay_function(prob, cfg):
+def replay_function(prob, cfg, check=False):
     """The pure function `(mesh, params, y0) -> ys` every replay engine
     differentiates: `_replay` with `cfg`'s outputs, remat and continuous extension,
     and the masking rule on (failed trajectories, allowed by `on_failure="mask"`,
-    give zero outputs and zero gradients)."""
+    give zero outputs and zero gradients).
+
+    With `check` (served where `checks_mesh(cfg)`), `(mesh, params, y0) -> (ys,
+    ratio)`: `ratio` `(n,)` is each trajectory's largest error ratio over its mesh's
+    steps at these parameters (the controller's `error_ratio` of the embedded
+    estimate, against the tolerances the mesh was recorded at; not differentiated).
+    Above 1, the controller would now reject a step it accepted when the mesh was
+    recorded: the Calibrator's `refresh_tol` reads it."""
     method = methods.get(cfg.method)
+    if check and not checks_mesh(cfg):
+        raise ValueError(f"no error check of the replay for method={cfg.method!r} with "
+                         f"ts={'None' if cfg.ts is None else 'given'}, "
+                         f"interpolate={cfg.interpolate} (see checks_mesh)")
 
     def ys_fn(mesh, params, y0):
         return _replay(prob.f_jax, method, mesh, params, y0, cfg.ts, cfg.remat,
-                       cfg.interpolate, mask=True)
+                       cfg.interpolate, mask=True, check=check)
     return ys_fn
 
 
-def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False, mask=False):
-    """The replay. With `mask=True`, the masking rule: each trajectory whose
-    `mesh.status` is not SUCCESS is replayed on an all-zero mesh (no steps, and no
-    extra steps to `ts`), so it only ever evaluates `f_jax` at its own finite `y0`
+def checks_mesh(cfg) -> bool:
+    """Whether the replay of `cfg` can check its mesh as it goes
+    (`replay_function(..., check=True)`): outputs served from the continuous extension
+    of a method whose kept slopes give its error estimate (Tsit5's, Vern7's), so that
+    the check costs no evaluation of the field."""
+    method = methods.get(cfg.method)
+    return (cfg.ts is not None and bool(cfg.interpolate) and method.has_dense_output
+            and method.dense_errors)
+
+
+def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False, mask=False,
+            check=False):
+    """The replay (with `check`, `(ys, ratio)`: `replay_function`). With `mask=True`,
+    the masking rule: each trajectory whose `mesh.status` is not SUCCESS is replayed
+    on an all-zero mesh (no steps, and no extra steps to `ts`), so it only ever
+    evaluates `f_jax` at its own finite `y0`
     where the record started, and its outputs are replaced by exact zeros. The loss
     therefore sees zeros for a masked trajectory (at every output time): a constant,
     so its gradient with respect to everything -- its own inputs and every `Shared`
@@ -163,9 +186,11 @@ def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False, mask=
         return jnp.where(dt > 0, step(t, y, jnp.where(dt > 0, dt, h_rest), params), y)
 
     if ts is not None and interpolate:
-        ys = _interpolated(f, method, axes, remat, params, t, y0, h, h_rest, n_steps,
-                           live, mesh.guarded, jnp.asarray(ts, y0.dtype))
-        return jnp.where(ok[:, None, None], ys, 0)
+        ys, ratio = _interpolated(f, method, axes, remat, params, t, y0, h, h_rest,
+                                  n_steps, live, mesh.guarded, jnp.asarray(ts, y0.dtype),
+                                  (mesh.rtol, mesh.atol) if check else None)
+        ys = jnp.where(ok[:, None, None], ys, 0)
+        return (ys, ratio) if check else ys
 
     def column(carry, h_k):
         t, y = carry
@@ -227,32 +252,45 @@ def _containing_step(t_grid, ts, n_steps):
 
 
 def _interpolated(f, method, axes, remat, params, t, y0, h, h_rest, n_steps, live,
-                  guarded, ts):
+                  guarded, ts, check=None):
     """The replay with outputs from the method's continuous extension: the scan
     carries the next step's first slope (`f(t + h, y_new)`, which FSAL methods have
     for free) and keeps each step's slopes `K`; each output time is then a weighted
     sum of the slopes of the step containing it -- no extra evaluation of `f`, where
-    the integrated outputs cost a step each. Returns `(n, J, d)`."""
+    the integrated outputs cost a step each. Returns `(ys (n, J, d), ratio)`: with
+    `check = (rtol, atol)`, `ratio` `(n,)` is each trajectory's largest error ratio
+    over its steps (`replay_function`), from the same slopes; else None."""
     dense = jax.vmap(functools.partial(method.dense_step, f), in_axes=(0, 1, 1, 0, axes),
                      out_axes=(1, 2, 1))
     if remat:
         dense = eqx.filter_checkpoint(dense)
 
+    def ratio(y, y_new, h_k, K):
+        """Each trajectory's error ratio of this step (0 where it took none)."""
+        if check is None:
+            return None
+        y, y_new, K = (jax.lax.stop_gradient(x) for x in (y, y_new, K))
+        err = jax.vmap(method.dense_error, in_axes=(0, 2), out_axes=1)(h_k, K)
+        r = control.error_ratio(y.T, y_new.T, err.T, *check)
+        return jnp.where(h_k > 0, r, 0).astype(y.dtype)
+
     def column(carry, h_k):
         t, y, f0 = carry
         took = h_k > 0
         y_new, K, f_new = dense(t, y, f0, jnp.where(took, h_k, h_rest), params)
-        return (t + h_k, jnp.where(took, y_new, y), jnp.where(took, f_new, f0)), (t, y, K)
+        return ((t + h_k, jnp.where(took, y_new, y), jnp.where(took, f_new, f0)),
+                (t, y, K, ratio(y, y_new, h_k, K)))
 
     f0 = jax.vmap(f, in_axes=(0, 1, axes), out_axes=1)(t, y0.T, params)
 
     def skip(carry, h_k):
         t, y, f0 = carry
-        return carry, (t, y, jnp.zeros(jax.eval_shape(column, carry, h_k)[1][2].shape,
-                                       y.dtype))
+        out = jax.eval_shape(column, carry, h_k)[1]
+        return carry, (t, y, jnp.zeros(out[2].shape, y.dtype),
+                       None if check is None else jnp.zeros(out[3].shape, y.dtype))
 
-    (t_end, y_end, _), (t_all, y_all, K_all) = _scan_live(column, skip, (t, y0.T, f0),
-                                                          h.T, live, guarded)
+    (t_end, y_end, _), (t_all, y_all, K_all, ratios) = _scan_live(
+        column, skip, (t, y0.T, f0), h.T, live, guarded)
     t_grid = jax.lax.stop_gradient(jnp.concatenate([t_all, t_end[None]])).T  # (n, S+1)
     y_all = jnp.moveaxis(jnp.concatenate([y_all, y_end[None]]), -1, 0)       # (n, S+1, d)
     K_all = jnp.moveaxis(K_all, -1, 0)                                       # (n, S, q, d)
@@ -269,4 +307,5 @@ def _interpolated(f, method, axes, remat, params, t, y0, h, h_rest, n_steps, liv
         K_k = K_all[jnp.minimum(k, K_all.shape[0] - 1)]
         y_theta = jax.vmap(method.interpolate)(y_k, y_next, h_k, K_k, theta)
         return jnp.where((h_k > 0)[:, None], y_theta, y_k)
-    return jax.vmap(outputs)(k, t_grid, y_all, K_all, h_pad)
+    ys = jax.vmap(outputs)(k, t_grid, y_all, K_all, h_pad)
+    return ys, None if check is None else jnp.max(ratios, axis=0, initial=0)

@@ -232,3 +232,33 @@ def test_levenberg_marquardt_fits_in_float32():
     assert res.theta["k"].dtype == jnp.float32 and res.converged.all(), res.steps
     np.testing.assert_allclose(res.theta["k"], k_true, rtol=3e-6)
     np.testing.assert_allclose(res.theta["a"], a_true, rtol=3e-6)
+
+
+def test_a_networks_stale_mesh_is_rerecorded_in_float32():
+    """The error check of `refresh_tol` (on by default for a network's fit) in
+    float32: DiffEqFlux's spiral, small (2 -> 8 tanh -> 2 on u^3, one trajectory,
+    Adam at 0.05). The fit re-records its mesh when a step errs above 2 tolerances
+    (measured 10 re-records in 40 updates, as in float64), and the loss it computed at
+    its last update is the accurately solved loss of the network it started from
+    (measured 2e-4 relative; bound 2e-2 as in float64: rtol 1e-3 is far above
+    float32's roundoff)."""
+    A = jnp.array([[-0.1, 2.0], [-2.0, -0.1]])
+    ts = jnp.linspace(0.0, 1.5, 10)
+    u0 = jnp.array([[2.0, 0.0]])
+    truth = gs.EnsembleProblem(lambda t, u, p: (u ** 3) @ A, y0=u0, params=None,
+                               t_span=(0.0, 1.5))
+    data = gs.solve(truth, ts=ts, rtol=1e-6, atol=1e-8).raise_for_status().ys[0]
+    mlp = eqx.nn.MLP(2, 2, 8, 1, activation=jnp.tanh, key=jax.random.key(0))
+    prob = gs.EnsembleProblem(lambda t, u, p: p["mlp"](u ** 3), y0=u0,
+                              params={"mlp": gs.Shared(mlp)}, t_span=(0.0, 1.5))
+    cal = gs.Calibrator(prob, lambda ys, m, d: jnp.sum((ys - d) ** 2), data=data, ts=ts,
+                        rtol=1e-3, atol=1e-6, optimizer=optax.adam(0.05))
+    assert cal.refresh_tol == 2.0
+    res = cal.fit(steps=40, progress=False)
+    assert res.history.dtype == jnp.float32 and 3 <= res.refreshes < 40, res.refreshes
+    net = cal.fit(steps=39, progress=False).best().theta["mlp"]
+    solved = gs.solve(prob.replace(params={"mlp": gs.Shared(net)}), ts=ts, rtol=1e-6,
+                      atol=1e-8).raise_for_status().ys[0]
+    true_loss = float(jnp.sum((solved - data) ** 2))
+    assert abs(float(res.history[39, 0]) - true_loss) <= 2e-2 * true_loss, (
+        float(res.history[39, 0]), true_loss, res.refreshes)

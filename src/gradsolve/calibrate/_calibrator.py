@@ -105,9 +105,10 @@ class Calibrator:
         recorder: None (router), `"general"` or `"fused"`: which recorder refreshes the
             mesh (the engine then follows: `general_replay` or `fused_replay`).
         refresh_every: re-record the mesh at the current parameters every this many
-            updates (None: never). The default, `"auto"`, refreshes fits over a network
-            (64 numbers or more per trajectory, `problem.network_size`: a `gs.Shared`
-            one or one per trajectory; or one fit over shared parameters) every
+            updates (None: never). The default, `"auto"`: fits over a network (64
+            numbers or more per trajectory, `problem.network_size`: a `gs.Shared` one
+            or one per trajectory; or one fit over shared parameters) are re-recorded
+            by `refresh_tol` where their replay checks its mesh, else every
             `_policies.auto_refresh_every` updates: 5 to 50, as often as keeps the
             records to ~10 % of the fit's time (50 for 256 trajectories in minibatches
             of 32, 7 without minibatches; B fits with minibatches get one fit's
@@ -116,6 +117,19 @@ class Calibrator:
             recorded near their optimum; other fits never.
             A network trained on the mesh recorded for its initial weights stops
             improving or diverges (docs/calibrator.md, "The mesh during a fit").
+        refresh_tol: re-record a fit's mesh as soon as one of its steps, replayed at
+            the fit's current parameters, has an embedded error estimate above
+            `refresh_tol` times the tolerance the mesh was recorded at (the
+            controller accepted it below 1): the update that found it is run again on
+            the new mesh, so results do not depend on when the host looks. The check
+            costs no evaluation of the field; it is served where outputs come from
+            the continuous extension of Tsit5 or Vern7 on the JAX replay
+            (`general_replay`, `fused_replay`), and a number given elsewhere is
+            refused saying so. None: off. The default, `"auto"`, is on for fits over a
+            network with an optax optimizer, at `2 * n / batch_size` (2 without
+            minibatches; a refresh records all n trajectories, so the costlier it is
+            the more error it waits for): `_policies.REFRESH_TOL`, with what it was
+            chosen by.
         drift_every, drift_tol: every `drift_every` updates, record afresh and compare
             the replayed final states with the fresh record's; if the relative change
             exceeds `drift_tol` adopt the fresh mesh. Figures land in `result.drift`.
@@ -176,7 +190,8 @@ class Calibrator:
     def __init__(self, prob, loss=None, to_params=None, data=None, optimizer=None, *,
                  residuals=None, to_y0=None, transform=None, rtol=1e-6, atol=1e-9, method=None, ts=None,
                  interpolate=None, max_steps=DEFAULT_MAX_STEPS, dt0=None, remat=None,
-                 engine=None, recorder=None, refresh_every="auto", drift_every=None,
+                 engine=None, recorder=None, refresh_every="auto", refresh_tol="auto",
+                 drift_every=None,
                  drift_tol=None, batch_size=None, checkpoint_dir=None, checkpoint_every=None,
                  devices=None, buckets=None, memory_budget=None):
         # The keyword settings as given: a profile builds its Calibrator from them.
@@ -225,12 +240,11 @@ class Calibrator:
                 f"minibatches change at every update; use an optax optimizer with "
                 f"minibatches")
         self._growth = GROWTH if self.grows else 1.0
-        if isinstance(refresh_every, str) and refresh_every == "auto":
-            refresh_every = _policies.auto_refresh_every(
-                self.problem.n, batch_size, self.grows, self.least_squares)
+        auto_every = isinstance(refresh_every, str) and refresh_every == "auto"
         for name, v in (("refresh_every", refresh_every), ("drift_every", drift_every),
                         ("batch_size", batch_size)):
-            if v is not None and (not isinstance(v, int) or v < 1):
+            if v is not None and not (name == "refresh_every" and auto_every) and (
+                    not isinstance(v, int) or v < 1):
                 also = ' or "auto"' if name == "refresh_every" else ""
                 raise ValueError(f"{name} must be None{also} or a positive integer, "
                                  f"got {v!r}")
@@ -258,6 +272,13 @@ class Calibrator:
         self.engine = self._engine.name
         self._arrangements = layout.Arrangements(
             self.config, self.problem.d, self.problem.y0.dtype.itemsize, self._growth)
+        self.refresh_tol = _policies.check_refresh_tol(
+            refresh_tol, self._engine, self.config, self.problem.n, batch_size,
+            network=self.grows, optimistix=self.optimistix)
+        if auto_every:
+            refresh_every = _policies.auto_refresh_every(
+                self.problem.n, batch_size, self.grows, self.least_squares,
+                checked=self.refresh_tol is not None)
         self.refresh_every, self.drift_every = refresh_every, drift_every
         self.batch_size = batch_size
         self.drift_tol = None if drift_tol is None else float(drift_tol)
@@ -270,17 +291,24 @@ class Calibrator:
         self.objective = Objective(
             loss=loss, to_params=to_params, to_y0=to_y0, transform=transform,
             batch_size=batch_size, residuals=residuals,
-            ys=self._engine.ys_function(self.problem, self.config, "reverse"),
+            ys=self._engine.ys_function(self.problem, self.config,
+                                        "reverse" if self.refresh_tol is None else "checked"),
+            checked=self.refresh_tol is not None,
             ys_forward=self._engine.ys_function(self.problem, self.config, "forward")
             if self._forward else None)
         self._hold(None)
         self._replayed = eqx.filter_jit(lambda mesh, params, y0, arr: layout.run(
-            self.objective.ys, arr, mesh, params, y0))
+            self._unchecked, arr, mesh, params, y0))
         # What a record (at a refresh, a drift check) solves from, in one compiled call
         # (eager, the theta -> params map of the neural ODE benchmark's network took
         # ~7 ms a refresh; measured here).
         self._inputs = eqx.filter_jit(self.objective.inputs)
         self._max_updates = MAX_UPDATES_PER_CALL  # 1: one update per call (tests)
+
+    def _unchecked(self, mesh, params, y0):
+        """The objective's replay, its outputs only (a drift check's)."""
+        ys = self.objective.ys(mesh, params, y0)
+        return ys[0] if self.objective.checked else ys
 
     def _hold(self, held):
         """Hold the leaves `held` (None, or a pytree of bools shaped as the optimised
@@ -290,7 +318,8 @@ class Calibrator:
         self._update = eqx.filter_jit(make_updates(
             make_optimistix_update(self.objective, self.optimizer, held, self._forward,
                                    self.refresh_every if self.least_squares else None)
-            if self.optimistix else make_update(self.objective, self.optimizer, held)))
+            if self.optimistix else make_update(self.objective, self.optimizer, held),
+            self.refresh_tol))
 
     def _opt_init(self, u, static, mesh, y0, data):
         """The optimizer state of the fits at `u` (leaves lead with B); a
@@ -402,14 +431,16 @@ class Calibrator:
         return _profile.profile(self, res, name, grid, steps=steps, tol=tol,
                                 grad_tol=grad_tol, progress=progress, slots=slots)
 
-    def _step(self, window, static, tol, grad_tol, cap, n, refill):
-        """Up to `n` compiled updates of the slots' fits (`_objective.make_updates`)."""
+    def _step(self, window, static, tol, grad_tol, cap, n, refill, fresh):
+        """Up to `n` compiled updates of the slots' fits (`_objective.make_updates`);
+        `fresh`: the slots whose meshes were just recorded."""
         mesh = self._mesh(window.state.mesh)
         B = window.state.active.shape[0]
         batch = None if self.batch_size is None else B * self.batch_size
         return self._update(window.state, static, mesh, window.data, window.y0,
                             jax.device_put(window.start), tol, grad_tol, cap,
                             jnp.asarray(n, jnp.int32), jnp.asarray(refill),
+                            jax.device_put(np.asarray(fresh, bool)),
                             self._arrangement(mesh, window.y0.shape[0], batch))
 
     def _arrangement(self, mesh, n, batch=None, cache=True):

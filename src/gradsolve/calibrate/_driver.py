@@ -73,7 +73,7 @@ def run(cal, theta0, steps, tol, grad_tol, progress, key, resume, slots):
     # made it). Ctrl-C keeps that, not a refresh made for a call that did not finish:
     # the resumed fit refreshes there again, as the uninterrupted one did (keeping the
     # refresh would count it twice).
-    window = settled = pace = None
+    window = settled = pace = stale = None
     try:
         try:
             while True:
@@ -81,16 +81,17 @@ def run(cal, theta0, steps, tol, grad_tol, progress, key, resume, slots):
                 settled = window
                 if window is None or not np.asarray(window.state.active).any():
                     break  # no start left to run
-                window = refresh.apply(window, state.drift)
+                window, fresh = refresh.apply(window, state.drift, stale)
                 if not np.asarray(window.state.active).any():
                     continue  # every slot's refresh failed: fill them again
                 n = _policies.updates_due(policies, window, done, pace, cal._max_updates,
                                           None if saves is None else saves.seconds_left())
                 began = time.perf_counter()
-                new, count, (at, ran, losses) = cal._step(window, static, tol, grad_tol,
-                                                          cap, n, queue)
+                new, count, (at, ran, losses), stale = cal._step(
+                    window, static, tol, grad_tol, cap, n, queue, fresh)
                 window, count = window._replace(state=new), int(count)
-                pace = (time.perf_counter() - began) / count
+                if count:  # none: the first update found a stale mesh (refreshed next)
+                    pace = (time.perf_counter() - began) / count
                 # A fit's history row t is its loss at its update t.
                 at, ran, losses = (np.asarray(x)[:count] for x in (at, ran, losses))
                 state.history[at[ran], np.broadcast_to(window.start, ran.shape)[ran]] = \

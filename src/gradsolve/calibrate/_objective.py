@@ -10,8 +10,8 @@ its residuals and its quasi-Newton minimisers on its loss (`_least_squares`).
 
     update = make_update(objective, optax.adam(1e-2))
     updates = eqx.filter_jit(make_updates(update))
-    state, count, (steps, active, losses) = updates(state, static, mesh, data, y0,
-                                                    start, tol, grad_tol, cap, n, refill)
+    state, count, (steps, active, losses), stale = updates(
+        state, static, mesh, data, y0, start, tol, grad_tol, cap, n, refill, fresh)
 """
 
 from collections.abc import Callable
@@ -49,6 +49,9 @@ class Objective(eqx.Module):
     batch_size: int | None = eqx.field(static=True)
     residuals: Callable | None = None  # the least-squares form: loss = 0.5 |r|^2
     ys_forward: Callable | None = None  # the replay for forward mode, where served
+    # `ys` returns `(ys, ratio)`: each row's largest error ratio on its mesh at these
+    # parameters (`replay.replay_function(..., check=True)`), for `refresh_tol`.
+    checked: bool = eqx.field(static=True, default=False)
 
     def theta(self, u, static):
         """The fits' theta (constrained) from the optimised, unconstrained `u`."""
@@ -106,6 +109,13 @@ class Objective(eqx.Module):
         trajectories (a minibatch) and their data. `arr`: where the rows are replayed
         (`layout/`), None for one piece. With `residuals`, each fit's residuals
         instead; with `forward`, replayed by the engine's forward-mode replay."""
+        return self.checked_losses(u, static, mesh, data, y0, K, rows, arr, residuals,
+                                   forward)[0]
+
+    def checked_losses(self, u, static, mesh, data, y0, K, rows=None, arr=None,
+                       residuals=False, forward=False):
+        """`(losses, ratio)`: `losses` as `losses` gives them, and per fit the largest
+        error ratio of its replayed rows' steps (`checked`; None otherwise)."""
         theta = self.theta(u, static)
         params, y0 = self.params(theta, K), self.y0(theta, y0)
         if rows is not None:
@@ -117,11 +127,15 @@ class Objective(eqx.Module):
                 lambda d: jax.vmap(lambda d_b, r: d_b[r])(d, rows), data)
         run = self.ys_forward if forward else self.ys
         ys = run(mesh, params, y0) if arr is None else layout.run(run, arr, mesh, params, y0)
+        ratio = None
+        if self.checked and not forward:
+            ys, ratio = ys
+            ratio = ratio.reshape(-1, K).max(axis=1)
         ys_b = ys.reshape((-1, K) + ys.shape[1:])
         batched = eqx.if_array(0)
         axes = (batched, batched, None if data is None else batched)
         return eqx.filter_vmap(self.residuals if residuals else self.loss, in_axes=axes)(
-            ys_b, theta, data)
+            ys_b, theta, data), ratio
 
     def fit_output(self, u_b, b, mesh, data, y0, rows, *, static, K, residuals=False,
                    forward=False):
@@ -148,7 +162,9 @@ def _where(mask, new, old):
 
 def make_update(objective: Objective, optimizer, held=None):
     """One optimizer step of every slot's fit: `update(state, static, mesh, data, y0,
-    start, tol, grad_tol, cap, arr=None) -> state`.
+    start, tol, grad_tol, cap, arr=None) -> (state, ratio)`, `ratio` per fit the
+    largest error ratio of its mesh's steps at the parameters the step started from
+    (`Objective.checked`; None unchecked).
 
     `held`: None, or a pytree of bools shaped as the optimised parameters, True at the
     leaves held at their values (a profile's fixed leaf): their gradient is zero, so
@@ -176,11 +192,12 @@ def make_update(objective: Objective, optimizer, held=None):
         rows = objective.rows(state.key, start, state.steps, K)
 
         def total(u):
-            losses = objective.losses(u, static, mesh, data, y0, K, rows, arr)
+            losses, ratio = objective.checked_losses(u, static, mesh, data, y0, K, rows,
+                                                     arr)
             # A non-finite fit adds nothing to the others' gradients.
-            return jnp.sum(jnp.where(jnp.isfinite(losses), losses, 0.0)), losses
+            return jnp.sum(jnp.where(jnp.isfinite(losses), losses, 0.0)), (losses, ratio)
 
-        (_, losses), grads = jax.value_and_grad(total, has_aux=True)(state.u)
+        (_, (losses, ratio)), grads = jax.value_and_grad(total, has_aux=True)(state.u)
         if held is not None:
             grads = jax.tree.map(lambda g, h: jnp.zeros_like(g) if h else g, grads, held)
         grad_norm = jax.vmap(optax.tree.norm)(grads)
@@ -204,7 +221,7 @@ def make_update(objective: Objective, optimizer, held=None):
         updates, opt_state = jax.vmap(step)(grads, state.opt_state, state.u, losses,
                                             jnp.arange(B))
         return _advance(state, move, optax.apply_updates(state.u, updates), opt_state,
-                        losses, grad_norm, finite, converged, cap, arr)
+                        losses, grad_norm, finite, converged, cap, arr), ratio
     return update
 
 
@@ -253,22 +270,32 @@ def make_optimistix_update(objective: Objective, solver, held=None, forward=Fals
         if grad_tol is not None:
             converged = converged | (grad_norm <= grad_tol)
         return _advance(state, state.active, u, opt_state, losses, grad_norm, finite,
-                        converged, cap, arr)
+                        converged, cap, arr), None
     return update
 
 
-def make_updates(update):
+def make_updates(update, refresh_tol=None):
     """`update` run up to `n` times in one compiled loop: `updates(state, static, mesh,
-    data, y0, start, tol, grad_tol, cap, n, refill, arr=None) -> (state, count,
-    (steps, active, losses))`. It stops early once no fit is active or, with `refill`
-    (starts waiting for a slot), once a slot's fit has stopped, so that the host
-    refills it before the next update as it would between single updates. Returns the
-    state, the number of updates run and, per update, each slot's step count and
-    activity before it and its loss (`MAX_UPDATES_PER_CALL` rows, `count` of them
-    written)."""
+    data, y0, start, tol, grad_tol, cap, n, refill, fresh, arr=None) -> (state, count,
+    (steps, active, losses), stale)`. It stops early once no fit is active or, with
+    `refill` (starts waiting for a slot), once a slot's fit has stopped, so that the
+    host refills it before the next update as it would between single updates.
+    Returns the state, the number of updates run and, per update, each slot's step
+    count and activity before it and its loss (`MAX_UPDATES_PER_CALL` rows, `count` of
+    them written).
+
+    With `refresh_tol` (and a checked objective), an update in which an active fit's
+    mesh has a step whose error ratio at the fit's parameters exceeds `refresh_tol` is
+    not kept: the loop stops before it, and `stale` (per slot) names the fits whose
+    meshes the host re-records before running it again. A fit in `fresh` (its mesh
+    was just recorded at its parameters) is not checked at the call's first update:
+    the record's own steps pass the controller's test there, and a check that could
+    not pass would loop. Whether an update is kept depends on the fit's own
+    parameters and mesh only, so that results do not depend on how the updates are
+    split into calls."""
 
     def updates(state: FitState, static, mesh, data, y0, start, tol, grad_tol, cap, n,
-                refill, arr=None):
+                refill, fresh, arr=None):
         B = state.active.shape[0]
         record = (jnp.zeros((MAX_UPDATES_PER_CALL, B), state.steps.dtype),
                   jnp.zeros((MAX_UPDATES_PER_CALL, B), bool),
@@ -276,17 +303,23 @@ def make_updates(update):
         entered = state.active
 
         def go_on(carry):
-            i, s, _ = carry
-            return (i < n) & s.active.any() & ~(refill & (entered & ~s.active).any())
+            i, s, _, stale = carry
+            return ((i < n) & s.active.any() & ~(refill & (entered & ~s.active).any())
+                    & ~stale.any())
 
         def one(carry):
-            i, s, (steps, active, loss) = carry
-            new = update(s, static, mesh, data, y0, start, tol, grad_tol, cap, arr)
-            return i + 1, new, (steps.at[i].set(s.steps), active.at[i].set(s.active),
-                                loss.at[i].set(new.loss))
-        count, state, record = jax.lax.while_loop(
-            go_on, one, (jnp.zeros((), jnp.int32), state, record))
-        return state, count, record
+            i, s, (steps, active, loss), _ = carry
+            new, ratio = update(s, static, mesh, data, y0, start, tol, grad_tol, cap, arr)
+            stale = jnp.zeros(B, bool)
+            if refresh_tol is not None and ratio is not None:
+                stale = s.active & (ratio > refresh_tol) & ~(fresh & (i == 0))
+            keep = ~stale.any()  # else row i is past the count: not read
+            new = jax.tree.map(lambda a, b: jnp.where(keep, a, b), new, s)
+            return i + keep, new, (steps.at[i].set(s.steps), active.at[i].set(s.active),
+                                   loss.at[i].set(new.loss)), stale
+        count, state, record, stale = jax.lax.while_loop(
+            go_on, one, (jnp.zeros((), jnp.int32), state, record, jnp.zeros(B, bool)))
+        return state, count, record, stale
     return updates
 
 

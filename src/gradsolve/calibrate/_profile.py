@@ -49,6 +49,7 @@ def profile(cal, res, name, grid, *, steps, tol, grad_tol, progress, slots):
     hold = jax.tree_util.tree_map_with_path(  # the structure of the optimised u
         lambda p, x: p == fixed, eqx.filter(best.theta, eqx.is_inexact_array))
     settings = dict(cal._settings, engine=cal._engine, refresh_every=cal.refresh_every,
+                    refresh_tol=cal.refresh_tol,
                     checkpoint_dir=None, checkpoint_every=None)
     if np.ndim(cal.config.dt0):  # a first step per trajectory: the profile's rows'
         settings["dt0"] = np.asarray(cal.config.dt0)[rows]

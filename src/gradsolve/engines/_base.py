@@ -207,10 +207,15 @@ class Records(eqx.Module):
 
 
 class Differentiates(eqx.Module):
+    # Whether `ys_function(prob, cfg, "checked")` is served where
+    # `replay.checks_mesh(cfg)`: the replay with its mesh's error check.
+    checks_mesh: ClassVar[bool] = False
+
     @abc.abstractmethod
     def ys_function(self, prob, cfg, mode: str):
         """A pure function `(mesh, params, y0) -> ys` to differentiate (`mesh` is None
-        for an engine that does not record)."""
+        for an engine that does not record); with mode `"checked"` (`checks_mesh`),
+        `-> (ys, ratio)` (`replay.replay_function`)."""
 
 
 def recorder_of(engine) -> str | None:

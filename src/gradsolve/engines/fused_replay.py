@@ -29,5 +29,7 @@ class FusedReplay(FusedEngine, Solves, Records, Differentiates):
                     t0=jnp.asarray(prob.t_span[0], dtype), t1=jnp.asarray(prob.t_span[1], dtype),
                     method=cfg.method, rtol=cfg.rtol, atol=cfg.atol, recorder=self.recorder)
 
+    checks_mesh: ClassVar[bool] = True
+
     def ys_function(self, prob, cfg, mode):
-        return replay_function(prob, cfg)
+        return replay_function(prob, cfg, check=mode == "checked")

@@ -26,5 +26,7 @@ class GeneralReplay(Engine, Solves, Records, Differentiates):
     def row_bytes(self, prob, cfg):
         return general_row_bytes(prob, cfg)
 
+    checks_mesh: ClassVar[bool] = True
+
     def ys_function(self, prob, cfg, mode):
-        return replay_function(prob, cfg)
+        return replay_function(prob, cfg, check=mode == "checked")

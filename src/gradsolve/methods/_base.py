@@ -6,7 +6,10 @@ A method with a continuous extension (`has_dense_output`) adds two more, which s
 output times from the mesh's own steps: `dense_step(f, t, y, f0, h, args) -> (y_new,
 K, f(t+h, y_new))` keeps the step's slopes `K`, and `interpolate(y, y_new, h, K,
 theta)` is the state at `t + theta h`, `0 <= theta <= 1`, with no further evaluation
-of `f`."""
+of `f`. Where the kept slopes include every stage of the step (an explicit pair's),
+`dense_error(h, K)` is the step's embedded error estimate from them: what lets a
+replay tell whether the controller would still accept its mesh
+(`replay.replay_function(..., check=True)`)."""
 
 import dataclasses
 from typing import Any, ClassVar
@@ -23,6 +26,7 @@ class Method:
         return self.tableau.name
 
     has_dense_output: ClassVar[bool] = False
+    dense_errors: ClassVar[bool] = False  # `dense_error(h, K)` is served
 
     @property
     def dense_order(self) -> int:

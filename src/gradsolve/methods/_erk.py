@@ -93,6 +93,14 @@ class ExplicitRungeKutta(Method):
                 fs.append(f(t + jnp.asarray(c, y.dtype) * h, y + _combine(h, row, fs), args))
         return y_new, jnp.stack(fs), f_new
 
+    dense_errors = True
+
+    def dense_error(self, h, K):
+        """The embedded error estimate of a step of size `h` from the slopes `K` its
+        `dense_step` kept (the step's own stages first): `trial_step`'s `y_error`,
+        with no evaluation of `f`."""
+        return error_estimate(h, self.tableau.b_error, [K[i] for i in range(self.tableau.stages)])
+
     def interpolate(self, y, y_new, h, K, theta):
         """The state at `t + theta h` inside the step `(t, y) -> y_new` of size `h`
         with stage slopes `K` (from `dense_step`): `y + h sum_i b_i(theta) K_i`."""
