@@ -9,8 +9,11 @@ The data are K trajectories of the true field (`gs.problems.neural_spiral`'s
 `gs.Shared`, trained with Adam by one Calibrator fit (B = 1) through the replay on the
 recorded mesh, refreshed every 50 updates and whenever a step of it errs above 2
 tolerances at the current network (`refresh_tol`, on by default). A capability
-demonstration: the loss falls (1000 updates, K = 8, width 32: measured 0.75 -> 0.023)
-and the plot shows learned against true trajectories.
+demonstration: the loss falls (1000 updates, K = 8, width 32: measured 0.75 -> 0.064,
+the accurately solved loss of the result 0.064; without the check, 0.017: from two
+other initial networks 0.0053 against 0.0024 and 0.087 against 0.24, so on this fit
+Adam's path decides, not the check) and the plot shows learned against true
+trajectories.
 """
 
 import _common
