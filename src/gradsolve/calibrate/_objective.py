@@ -310,11 +310,11 @@ def make_updates(update, refresh_tol=None):
         def one(carry):
             i, s, (steps, active, loss), _ = carry
             new, ratio = update(s, static, mesh, data, y0, start, tol, grad_tol, cap, arr)
-            stale = jnp.zeros(B, bool)
+            stale, keep = jnp.zeros(B, bool), jnp.asarray(True)
             if refresh_tol is not None and ratio is not None:
                 stale = s.active & (ratio > refresh_tol) & ~(fresh & (i == 0))
-            keep = ~stale.any()  # else row i is past the count: not read
-            new = jax.tree.map(lambda a, b: jnp.where(keep, a, b), new, s)
+                keep = ~stale.any()  # else row i is past the count: not read
+                new = jax.tree.map(lambda a, b: jnp.where(keep, a, b), new, s)
             return i + keep, new, (steps.at[i].set(s.steps), active.at[i].set(s.active),
                                    loss.at[i].set(new.loss)), stale
         count, state, record, stale = jax.lax.while_loop(
