@@ -47,9 +47,9 @@ CALL_SECONDS = 0.1
 # = 8: every 50) reached a full-data loss of 0.2197 where never refreshing reached
 # 0.2379 ("refresh": 300 updates); DiffEqFlux's spiral (K = rows = 1: every 7) went from
 # a loss of 192 to 1.03 in 500 updates (the default before refresh_tol) and to 0.289
-# every 5, but to 196 never refreshing and 4.5e4 every 25 ("spiral", 9f7ee5d; an earlier run, its outputs
-# different in the last bits: 0.893, 0.577, 1.2e4, 0.507 -- Adam at 0.05 there turns
-# roundoff into another path; Diffrax's own gradient: 0.075).
+# every 5, but to 196 never refreshing and 4.5e4 every 25 ("spiral", 9f7ee5d; an
+# earlier run, its outputs different in the last bits: 0.893, 0.577, 1.2e4, 0.507 --
+# Adam at 0.05 there turns roundoff into another path; Diffrax's own gradient: 0.075).
 AUTO_REFRESH_PER_RATIO = 6.25
 AUTO_REFRESH_RANGE = (5, 50)
 
