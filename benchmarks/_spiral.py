@@ -10,9 +10,7 @@ import numpy as np
 import optax
 
 import gradsolve as gs
-
-
-SPIRAL_A = jnp.array([[-0.1, 2.0], [-2.0, -0.1]])
+from gradsolve.fields import _neural
 
 
 def spiral_run(spec):
@@ -22,8 +20,7 @@ def spiral_run(spec):
     dtype = jnp.zeros(()).dtype
     ts = jnp.linspace(0.0, 1.5, 30, dtype=dtype)
     u0 = jnp.array([[2.0, 0.0]], dtype)
-    truth = gs.EnsembleProblem(lambda t, u, p: (u ** 3) @ SPIRAL_A.astype(u.dtype), y0=u0,
-                               params=None, t_span=(0.0, 1.5))
+    truth = gs.EnsembleProblem(_neural.spiral_f, y0=u0, params=None, t_span=(0.0, 1.5))
     data = gs.solve(truth, ts=ts, rtol=1e-8, atol=1e-10).raise_for_status().ys
     t0 = time.perf_counter()
     mlp = eqx.nn.MLP(2, 2, 50, 1, activation=jnp.tanh, dtype=dtype,

@@ -550,9 +550,6 @@ def test_a_fit_over_a_network_refreshes_by_default():
     assert gs.Calibrator(own, loss, data=data[None], to_params=lambda m: m).refresh_every == 7
 
 
-SPIRAL_A = jnp.array([[-0.1, 2.0], [-2.0, -0.1]])
-
-
 @pytest.fixture(scope="module")
 def spiral():
     """DiffEqFlux's spiral, small: `u' = MLP(u^3)` (2 -> 8 tanh -> 2) from (2, 0) on
@@ -560,8 +557,8 @@ def spiral():
     network far between updates (the case a stale mesh fails)."""
     ts = jnp.linspace(0.0, 1.5, 10)
     u0 = jnp.array([[2.0, 0.0]])
-    truth = gs.EnsembleProblem(lambda t, u, p: (u ** 3) @ SPIRAL_A.astype(u.dtype), y0=u0,
-                               params=None, t_span=(0.0, 1.5))
+    from gradsolve.fields import _neural
+    truth = gs.EnsembleProblem(_neural.spiral_f, y0=u0, params=None, t_span=(0.0, 1.5))
     data = gs.solve(truth, ts=ts, rtol=1e-10, atol=1e-12).raise_for_status().ys[0]
     mlp = eqx.nn.MLP(2, 2, 8, 1, activation=jnp.tanh, key=jax.random.key(0))
     prob = gs.EnsembleProblem(lambda t, u, p: p["mlp"](u ** 3), y0=u0,

@@ -242,11 +242,10 @@ def test_a_networks_stale_mesh_is_rerecorded_in_float32():
     its last update is the accurately solved loss of the network it started from
     (measured 2e-4 relative; bound 2e-2 as in float64: rtol 1e-3 is far above
     float32's roundoff)."""
-    A = jnp.array([[-0.1, 2.0], [-2.0, -0.1]])
+    from gradsolve.fields import _neural
     ts = jnp.linspace(0.0, 1.5, 10)
     u0 = jnp.array([[2.0, 0.0]])
-    truth = gs.EnsembleProblem(lambda t, u, p: (u ** 3) @ A, y0=u0, params=None,
-                               t_span=(0.0, 1.5))
+    truth = gs.EnsembleProblem(_neural.spiral_f, y0=u0, params=None, t_span=(0.0, 1.5))
     data = gs.solve(truth, ts=ts, rtol=1e-6, atol=1e-8).raise_for_status().ys[0]
     mlp = eqx.nn.MLP(2, 2, 8, 1, activation=jnp.tanh, key=jax.random.key(0))
     prob = gs.EnsembleProblem(lambda t, u, p: p["mlp"](u ** 3), y0=u0,
