@@ -40,22 +40,18 @@ def test_zero_padding_changes_nothing_bit_for_bit(lorenz):
 
 
 def test_guarded_padding_is_skipped_and_changes_nothing(lorenz):
-    # A guarded mesh (a Calibrator's of a network's field, padded with headroom) runs
-    # its columns from `guarded_from` on behind a branch that skips the ones past
-    # every trajectory's steps: the same outputs and gradients as the plain replay,
-    # on the replay itself (`_replay`, not trimmed to the steps by an arrangement),
-    # with every step in the plain columns and with steps in the guarded ones.
-    # Measured: bit for bit with every step plain; with steps guarded, within 2.7e-15
-    # of each leaf's largest entry (XLA fuses a branch's arithmetic differently);
-    # bound 3e-14. Six compiles (17 s with a plain reference per width, 11 s so).
+    # A guarded mesh (a Calibrator's of a network's field, padded with headroom) is
+    # replayed by loops over its live columns only, forward and backward
+    # (`replay._live_loop`): the same outputs and gradients as the plain replay, on
+    # the replay itself (`_replay`, not trimmed to the steps by an arrangement), with
+    # many skipped columns and with none. Measured: within 2.5e-15 of each leaf's
+    # largest entry (XLA fuses the loop's arithmetic differently from the scan's);
+    # bound 3e-14.
     from gradsolve import methods
-    from gradsolve.mesh import guarded_from
     from gradsolve.replay import _replay
     prob, mesh, _ = lorenz
     steps = int(mesh.n_steps.max())
     tsit5, ts = methods.get("tsit5"), jnp.array([0.0, 0.3, 0.77, 1.0])
-    plain_steps, guarded_steps = 2 * mesh.columns + 3, steps + 1  # two widths
-    assert guarded_from(plain_steps) >= steps > guarded_from(guarded_steps)
     for ts_, interpolate in ((None, False), (ts, True)):  # the replay's two scans
         def loss(p, m):
             return jnp.sum(_replay(prob.f_jax, tsit5, m, p, prob.y0, ts_, False,
@@ -64,11 +60,37 @@ def test_guarded_padding_is_skipped_and_changes_nothing(lorenz):
         # The reference: every column plain, at the mesh's own width (zero columns
         # change nothing, bit for bit: test_zero_padding_changes_nothing_bit_for_bit).
         ref = vg(prob.params, mesh)
-        for width in (plain_steps, guarded_steps):
+        for width in (2 * mesh.columns + 3, steps):
             guarded = dataclasses.replace(mesh.padded(width), guarded=True)
             for a, b in zip(ref, vg(prob.params, guarded)):
                 for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
                     assert rel_err(y, x) < 3e-14, (width, interpolate, rel_err(y, x))
+
+
+def test_guarded_padding_costs_no_evaluations(lorenz):
+    # The headroom of a guarded mesh is free of steps: its value and gradient, at
+    # three times the columns, evaluate the field once at the start and then
+    # stages - 1 times (Tsit5 is FSAL) per column some trajectory steps in, and no
+    # more in the backward loop (it applies the stored pullbacks). Counted by a
+    # callback in the field. (The plain replay's scan cannot be counted so: its body's
+    # callback runs once under differentiation.)
+    from gradsolve import methods
+    from gradsolve.replay import _replay
+    prob, mesh, _ = lorenz
+    tsit5 = methods.get("tsit5")
+    calls = []
+
+    def counted(t, y, p):
+        jax.debug.callback(lambda: calls.append(1))
+        return prob.f_jax(t, y, p)
+
+    loss = lambda p, m: jnp.sum(_replay(counted, tsit5, m, p, prob.y0,
+                                        jnp.array([0.3, 1.0]), False, True) ** 2)
+    guarded = dataclasses.replace(mesh.padded(3 * mesh.columns), guarded=True)
+    jax.block_until_ready(jax.jit(jax.value_and_grad(loss))(prob.params, guarded))
+    jax.effects_barrier()
+    assert tsit5.tableau.fsal
+    assert len(calls) == 1 + (tsit5.tableau.stages - 1) * int(mesh.n_steps.max())
 
 
 def test_ts_outputs_match_a_tight_reference(lorenz):

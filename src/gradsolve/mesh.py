@@ -24,51 +24,29 @@ def padded_width(columns: int) -> int:
     return -(-columns // step) * step
 
 
-# How far past its steps a mesh that outgrew its width is padded (`grown_width`).
-GROWTH = 2.0
+# How far past its steps a network's mesh is padded (`grown_width`).
+GROWTH = 5.0
 
 
 def grown_width(steps: int, current: int = 0, growth: float = GROWTH) -> int:
     """The width a mesh of `steps` steps is replayed at when the compiled replay has
     `current` columns (0: nothing compiled yet): `current` while the steps fit, else
     one of `padded_width`'s widths for `growth` times the steps. A Calibrator sizes the
-    meshes of a network's field so from its first record on (and replays them
-    `guarded`: the padding costs few steps); others with `growth` 1, the padded steps.
+    meshes of a network's field so from its first record on and replays them
+    `guarded` (only the columns some trajectory steps in are evaluated); others with
+    `growth` 1, the padded steps.
 
-    A mesh that outgrew its width during a fit (a network's field getting stiffer as
-    it trains) usually goes on growing, and each new width compiles the update again
-    (1.3-2.7 s on DiffEqFlux's spiral, benchmarks/neural_ode.py). Zero columns
-    replayed plainly cost what steps cost; guarded (`Mesh.guarded`) much less: see
-    `guarded_from`.
-
-    Tried and not kept: at least 16 columns of headroom (the spiral's steps go from 4
-    to 17 in 500 updates, so it compiled its update once, not twice: 7.3-7.6 s against
-    10.3-11.7 s for the 500 updates, same session), but skipped guarded columns are
-    not free: the Diffrax example's gradient (32 trajectories, 7 steps) cost 1.28-1.41x
-    the plain replay at width 21 (a branch per column, or per block of 4, 8 or 16)
-    against 1.07-1.11x at width 10, and its update 5.8-6.7 ms against 4.7-5.5 ms. A
-    recompile is paid once; the per-update cost on every update of a long training."""
+    A network's field usually gets stiffer as it trains, and each new width compiles
+    the update again (1.8 s on DiffEqFlux's spiral, whose steps go from 4 to 17 in 500
+    updates). Guarded headroom costs little: measured on benchmarks/neural_ode.py's
+    examples (same session, float32), the Diffrax example's update (5 to 7 steps) took
+    2.10 ms at growth 5 (width 28) against 1.99 ms at growth 2 (width 10), and the
+    spiral's 500 updates 5.2 s with one compile at growth 5 against 7.7 s with two at
+    growth 2. The price is memory: the replay's residuals are stored for every
+    column of the width."""
     if steps <= current:
         return current
     return padded_width(int(growth * steps))
-
-
-def guarded_from(columns: int, growth: float = GROWTH) -> int:
-    """The first column of a guarded mesh of `columns` columns that the replay runs
-    behind a branch: the steps `grown_width` sized the width for (columns / growth,
-    rounded up). The columns before it are replayed plainly, as an unguarded mesh's.
-
-    Measured here (value and gradient with 100 outputs from the continuous extension,
-    32 trajectories of benchmarks/neural_ode.py's MLP field, each against the plain
-    replay of its steps' columns in the same process, two runs): every column behind
-    the branch cost 1.15x at width 5 and 1.37-1.42x at width 14 for a 5-step mesh;
-    with the first half plain, 1.11-1.23x at width 10 for the initial network's 5 steps
-    and 1.16-1.25x for the trained network's 7 (2 steps behind the branch), where
-    recomputing the guarded columns in the backward sweep (`eqx.filter_checkpoint`,
-    so that a skipped one saves no residuals) cost 1.03-1.10x and 1.36-1.62x: a network's
-    mesh grows as it trains, so its steps are the ones that must be cheap. A zero
-    column replayed plainly costs what a step costs (width 10 plain: 1.6-2.5x)."""
-    return min(columns, int(np.ceil(columns / growth)))
 
 
 class Mesh(eqx.Module):
@@ -84,10 +62,11 @@ class Mesh(eqx.Module):
         status: `(n,)` `gs.Status` codes of the record.
         t0, t1: the span's ends (scalars).
         method, rtol, atol, recorder: how the mesh was made.
-        guarded: the replay runs the columns from `guarded_from(S)` on behind a
-            branch per column that skips those past every trajectory's steps (a
+        guarded: the replay evaluates only the columns before every trajectory's
+            steps have ended, forward and backward (`replay._live_loop`; a
             Calibrator's mesh of a network's field, padded with headroom:
-            `grown_width`); False replays every column.
+            `grown_width`); False replays every column (a zero step costs what a
+            step costs).
 
     Examples:
         >>> import gradsolve as gs

@@ -11,6 +11,7 @@ a trajectory whose record failed contributes exactly zero to the loss's gradient
 See `_replay`'s `mask`.
 """
 
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 
 from . import control, layout, methods
 from .config import check_interpolate, check_ts, make_config
-from .mesh import Mesh, guarded_from
+from .mesh import Mesh
 from .problem import as_problem, field, param_axes
 from .status import Status
 
@@ -105,7 +106,7 @@ def arranged_replay(f_jax, method, mesh, params, y0, ts, remat, interpolate, arr
                       arr, mesh, params, y0)
 
 
-def replay_function(prob, cfg, check=False):
+def replay_function(prob, cfg, check=False, forward=False):
     """The pure function `(mesh, params, y0) -> ys` every replay engine
     differentiates: `_replay` with `cfg`'s outputs, remat and continuous extension,
     and the masking rule on (failed trajectories, allowed by `on_failure="mask"`,
@@ -116,7 +117,11 @@ def replay_function(prob, cfg, check=False):
     steps at these parameters (the controller's `error_ratio` of the embedded
     estimate, against the tolerances the mesh was recorded at; not differentiated).
     Above 1, the controller would now reject a step it accepted when the mesh was
-    recorded: the Calibrator's `refresh_tol` reads it."""
+    recorded: the Calibrator's `refresh_tol` reads it.
+
+    With `forward`, for forward-mode differentiation: a guarded mesh is replayed
+    plainly (its loop over the live columns is differentiated in reverse mode only:
+    `_live_loop`)."""
     method = methods.get(cfg.method)
     if check and not checks_mesh(cfg):
         raise ValueError(f"no error check of the replay for method={cfg.method!r} with "
@@ -124,6 +129,8 @@ def replay_function(prob, cfg, check=False):
                          f"interpolate={cfg.interpolate} (see checks_mesh)")
 
     def ys_fn(mesh, params, y0):
+        if forward and mesh.guarded:
+            mesh = dataclasses.replace(mesh, guarded=False)
         return _replay(prob.f_jax, method, mesh, params, y0, cfg.ts, cfg.remat,
                        cfg.interpolate, mask=True, check=check)
     return ys_fn
@@ -218,29 +225,112 @@ def _replay(f_jax, method, mesh, params, y0, ts, remat, interpolate=False, mask=
 
 
 def _scan_live(column, skip, carry, columns, live, guarded):
-    """`lax.scan(column, carry, columns)`; with `guarded`, the columns from
-    `mesh.guarded_from` on run behind a branch on `live` (the ensemble's most steps):
-    from `live` on every trajectory's step is a padding zero, the identity, and
-    `skip(carry, h_k)` gives what `column` gives for it without evaluating the field.
-    A Calibrator pads the mesh of a network's field with headroom (`mesh.grown_width`)
-    so as not to compile its update again at every new width; the guard keeps that
-    padding from costing steps. `live` is one number for the whole ensemble, so the
-    branch stays a branch under the replay's `vmap`. The columns before
-    `guarded_from`, which the steps the width was sized for fill, run plainly (the
-    costs of each arrangement: `guarded_from`)."""
+    """`lax.scan(column, carry, columns)`; with `guarded`, only the first `live`
+    columns (the ensemble's most steps) are evaluated, forward and backward
+    (`_live_loop`): from `live` on every trajectory's step is a padding zero, the
+    identity, and `skip(carry, h_k)` gives what `column` gives for it without
+    evaluating the field. A Calibrator pads the mesh of a network's field with
+    headroom (`mesh.grown_width`) so as not to compile its update again at every new
+    width; this keeps the headroom from costing steps. `live` is one number for the
+    whole ensemble."""
     if not guarded:
         return jax.lax.scan(column, carry, columns)
-    width = columns.shape[0]
-    plain = guarded_from(width)
-    carry, head = jax.lax.scan(column, carry, columns[:plain])
-    if plain == width:
-        return carry, head
+    converted, consts = jax.closure_convert(column, carry, columns[0])
+    final, outs = _live_loop(converted, _LiveProbe(converted, carry, columns[0], consts),
+                             live, carry, columns, *consts)
+    keep = jnp.arange(columns.shape[0]) < live
+    skipped = jax.vmap(lambda h_k: skip(final, h_k)[1])(columns)
+    return final, jax.tree.map(
+        lambda a, b: jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
+        outs, skipped)
 
-    def body(carry, x):
-        k, h_k = x
-        return jax.lax.cond(k < live, column, skip, carry, h_k)
-    carry, tail = jax.lax.scan(body, carry, (jnp.arange(plain, width), columns[plain:]))
-    return carry, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), head, tail)
+
+class _LiveProbe:
+    """What `_live_loop` keeps of one column's `jax.vjp`: the structure of its
+    pullback (`treedef`), and for each of its leaves the index of the column's
+    closed-over constant it is (a parameter, stored once, not per column) or None (a
+    residual, stored per column: `shapes`)."""
+
+    def __init__(self, converted, carry, h_k, consts):
+        def pullback_leaves(c, cs):
+            out, pullback = jax.vjp(lambda c, cs: converted(c, h_k, *cs), c, cs)
+            leaves, self.treedef = jax.tree.flatten(pullback)
+            self.where = _const_index(leaves, cs)
+            return out, [x for x, w in zip(leaves, self.where) if w is None]
+        self.shapes = jax.eval_shape(pullback_leaves, carry, tuple(consts))[1]
+
+    def residuals(self, leaves, consts):
+        """The per-column leaves of a pullback traced like the probe's."""
+        if _const_index(leaves, consts) != self.where:
+            raise AssertionError("a column's pullback differs from the probe's")
+        return [x for x, w in zip(leaves, self.where) if w is None]
+
+    def pullback(self, residuals, consts):
+        it = iter(residuals)
+        return jax.tree.unflatten(
+            self.treedef, [next(it) if w is None else consts[w] for w in self.where])
+
+
+def _const_index(leaves, consts):
+    ids = [id(c) for c in consts]
+    return [ids.index(id(x)) if id(x) in ids else None for x in leaves]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _live_loop(converted, probe, live, carry, columns, *consts):
+    """`lax.scan` of `converted(carry, h_k, *consts)` over the first `live` of
+    `columns` (a `lax.while_loop`: a bound known only on the device), with zero
+    outputs for the later columns. Reverse mode differentiates it with a second
+    loop that runs back over the same `live` columns, applying each column's pullback
+    from the residuals the forward loop stored (`_LiveProbe`), so a column past
+    `live` costs neither a step nor its residuals; forward mode is not served (a
+    forward-mode replay is given the unguarded mesh: `replay_function`)."""
+    return _live_forward(converted, probe, live, carry, columns, consts, False)[:2]
+
+
+def _live_forward(converted, probe, live, carry, columns, consts, keep):
+    width = columns.shape[0]
+    stacked = lambda s: jnp.zeros((width,) + s.shape, s.dtype)
+    outs = jax.tree.map(stacked, jax.eval_shape(converted, carry, columns[0], *consts)[1])
+    res = [stacked(s) for s in probe.shapes] if keep else []
+
+    def body(state):
+        k, c, outs, res = state
+        if keep:
+            (c, out), pullback = jax.vjp(lambda c, cs: converted(c, columns[k], *cs),
+                                         c, tuple(consts))
+            res = [r.at[k].set(x) for r, x in
+                   zip(res, probe.residuals(jax.tree.leaves(pullback), consts))]
+        else:
+            c, out = converted(c, columns[k], *consts)
+        return k + 1, c, jax.tree.map(lambda o, v: o.at[k].set(v), outs, out), res
+    _, final, outs, res = jax.lax.while_loop(lambda s: s[0] < live, body,
+                                             (0, carry, outs, res))
+    return final, outs, res
+
+
+def _live_fwd(converted, probe, live, carry, columns, *consts):
+    final, outs, res = _live_forward(converted, probe, live, carry, columns, consts, True)
+    return (final, outs), (live, columns, consts, res)
+
+
+def _live_bwd(converted, probe, saved, cotangents):
+    live, columns, consts, res = saved
+    ct_final, ct_outs = cotangents
+
+    def body(state):
+        k, ct_c, ct_consts = state
+        k = k - 1
+        pullback = probe.pullback([r[k] for r in res], consts)
+        ct_c, ct_k = pullback((ct_c, jax.tree.map(lambda o: o[k], ct_outs)))
+        return k, ct_c, jax.tree.map(jnp.add, ct_consts, ct_k)
+    zeros = jax.tree.map(jnp.zeros_like, tuple(consts))
+    _, ct_carry, ct_consts = jax.lax.while_loop(lambda s: s[0] > 0, body,
+                                                (live, ct_final, zeros))
+    return (None, ct_carry, jnp.zeros_like(columns), *ct_consts)
+
+
+_live_loop.defvjp(_live_fwd, _live_bwd)
 
 
 def _containing_step(t_grid, ts, n_steps):

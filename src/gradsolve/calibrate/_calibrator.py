@@ -15,7 +15,7 @@ result does not depend on the slots.
 
 Nothing compiled depends on the number of steps: the step cap is traced, and the
 loss history lives on the host. A refreshed mesh keeps the compiled width while its
-steps fit, and one that outgrows it is widened (a network's field's to twice its
+steps fit, and one that outgrows it is widened (a network's field's to five times its
 steps from the first record on, replayed guarded: `mesh.grown_width`), so a fit
 compiles its update once per width it meets, and meets few.
 

@@ -29,4 +29,4 @@ class GeneralReplay(Engine, Solves, Records, Differentiates):
     checks_mesh: ClassVar[bool] = True
 
     def ys_function(self, prob, cfg, mode):
-        return replay_function(prob, cfg, check=mode == "checked")
+        return replay_function(prob, cfg, check=mode == "checked", forward=mode == "forward")
