@@ -47,7 +47,8 @@ demo: $(STAMP)
 # On 2026-12-07: 10 min 38 s at cadfe3e (1202 worker-seconds), 6 min 31 s with the
 # legacy emitters below (840), 7 min 21 s and 7 min 17 s later the same day (941, 928);
 # on the evening's machine 7 min 41 s at 87869b0 and again at ed7a3f6 (four new tests,
-# the refresh_tol one 16.6 s of a worker).
+# the refresh_tol one 16.6 s of a worker), 7 min 29 s at 74eb8f7, 7 min 19 s at
+# 04293dd (the guarded replay's loops compile faster than its branches).
 # The main run and the float32 run compile on XLA's legacy CPU emitters
 # (GRADSOLVE_TEST_EMITTERS=legacy: half the compile time, tests/conftest.py says how
 # measured), which leave out the tests marked exact_across_shapes: those run in a third
