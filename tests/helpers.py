@@ -23,3 +23,24 @@ def rel_err_componentwise(a, b):
     diff = np.abs(a - b)
     with np.errstate(divide="ignore", invalid="ignore"):
         return float(np.max(np.where(diff == 0, 0.0, diff / np.abs(b))))
+
+
+def small_spiral(rtol, atol):
+    """DiffEqFlux's spiral, small: `u' = MLP(u^3)` (2 -> 8 tanh -> 2) from (2, 0) on
+    [0, 1.5], data at 10 times from the true `u' = (u^3) A` solved at `rtol`, `atol`;
+    Adam at 0.05 moves the network far between updates (the case a stale mesh fails).
+    Returns `(prob, ts, data)`."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    import gradsolve as gs
+    from gradsolve.fields import _neural
+    ts = jnp.linspace(0.0, 1.5, 10)
+    u0 = jnp.array([[2.0, 0.0]])
+    truth = gs.EnsembleProblem(_neural.spiral_f, y0=u0, params=None, t_span=(0.0, 1.5))
+    data = gs.solve(truth, ts=ts, rtol=rtol, atol=atol).raise_for_status().ys[0]
+    mlp = eqx.nn.MLP(2, 2, 8, 1, activation=jnp.tanh, key=jax.random.key(0))
+    prob = gs.EnsembleProblem(lambda t, u, p: p["mlp"](u ** 3), y0=u0,
+                              params={"mlp": gs.Shared(mlp)}, t_span=(0.0, 1.5))
+    return prob, ts, data

@@ -24,7 +24,7 @@ import fit_worker  # noqa: E402
 from fit_worker import (assert_same_state, flip_a_byte, interrupting,  # noqa: E402
                         steps_in)
 from gradsolve.mesh import padded_width  # noqa: E402
-from helpers import rel_err  # noqa: E402
+from helpers import rel_err, small_spiral  # noqa: E402
 from gradsolve.calibrate._calibrator import MAX_UPDATES_PER_CALL as MAX_UPDATES  # noqa: E402
 
 
@@ -554,18 +554,8 @@ def test_a_fit_over_a_network_refreshes_by_default():
 
 @pytest.fixture(scope="module")
 def spiral():
-    """DiffEqFlux's spiral, small: `u' = MLP(u^3)` (2 -> 8 tanh -> 2) from (2, 0) on
-    [0, 1.5], data at 10 times from the true `u' = (u^3) A`; Adam at 0.05 moves the
-    network far between updates (the case a stale mesh fails)."""
-    ts = jnp.linspace(0.0, 1.5, 10)
-    u0 = jnp.array([[2.0, 0.0]])
-    from gradsolve.fields import _neural
-    truth = gs.EnsembleProblem(_neural.spiral_f, y0=u0, params=None, t_span=(0.0, 1.5))
-    data = gs.solve(truth, ts=ts, rtol=1e-10, atol=1e-12).raise_for_status().ys[0]
-    mlp = eqx.nn.MLP(2, 2, 8, 1, activation=jnp.tanh, key=jax.random.key(0))
-    prob = gs.EnsembleProblem(lambda t, u, p: p["mlp"](u ** 3), y0=u0,
-                              params={"mlp": gs.Shared(mlp)}, t_span=(0.0, 1.5))
-    return prob, ts, data
+    """`helpers.small_spiral`, its data solved tightly."""
+    return small_spiral(1e-10, 1e-12)
 
 
 def _spiral_calibrator(spiral, **kw):

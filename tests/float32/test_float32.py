@@ -242,14 +242,8 @@ def test_a_networks_stale_mesh_is_rerecorded_in_float32():
     its last update is the accurately solved loss of the network it started from
     (measured 2e-4 relative; bound 2e-2 as in float64: rtol 1e-3 is far above
     float32's roundoff)."""
-    from gradsolve.fields import _neural
-    ts = jnp.linspace(0.0, 1.5, 10)
-    u0 = jnp.array([[2.0, 0.0]])
-    truth = gs.EnsembleProblem(_neural.spiral_f, y0=u0, params=None, t_span=(0.0, 1.5))
-    data = gs.solve(truth, ts=ts, rtol=1e-6, atol=1e-8).raise_for_status().ys[0]
-    mlp = eqx.nn.MLP(2, 2, 8, 1, activation=jnp.tanh, key=jax.random.key(0))
-    prob = gs.EnsembleProblem(lambda t, u, p: p["mlp"](u ** 3), y0=u0,
-                              params={"mlp": gs.Shared(mlp)}, t_span=(0.0, 1.5))
+    from helpers import small_spiral
+    prob, ts, data = small_spiral(1e-6, 1e-8)
     cal = gs.Calibrator(prob, lambda ys, m, d: jnp.sum((ys - d) ** 2), data=data, ts=ts,
                         rtol=1e-3, atol=1e-6, optimizer=optax.adam(0.05))
     assert cal.refresh_tol == 2.0
