@@ -173,6 +173,10 @@ def test_transforms_keep_parameters_in_range():
     np.testing.assert_allclose(res.theta, k_true, rtol=1e-4)
     with pytest.raises(ValueError, match="hi > lo"):
         gs.transforms.Bounded(1.0, 0.5)
+    with pytest.raises(ValueError, match=r"edges must be one of \['clip', 'squash'\]"):
+        gs.transforms.Log10(1.0, 2.0, edges="reflect")
+    with pytest.raises(ValueError, match=r"Log\(edges='clip'\) needs bounds"):
+        gs.transforms.Log(edges="clip")
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -266,6 +270,10 @@ P, BD = gs.transforms.Positive(), gs.transforms.Bounded(0.5, 2.0)
      r"theta0\['k'\] of fit 1 \(-1.0\) is outside the domain of its transform Positive"),
     ({"k": jnp.array([1.0, 3.0])}, dict(transform={"k": BD}), ValueError,
      r"of fit 1 \(3.0\) is outside the domain of its transform Bounded"),
+    # clipped edges take the closed interval: a start on a bound is inside
+    ({"k": jnp.array([0.5, 2.5])}, dict(transform=gs.transforms.Bounded(
+        0.5, 2.0, edges="clip")), ValueError,
+     r"of fit 1 \(2.5\) is outside the domain of its transform Bounded"),
     ({"k": jnp.ones(2)}, dict(transform={"rate": P}), ValueError,
      r"transform has leaves \[\"\['rate'\]\"\]"),
     ({"k": jnp.ones(2)}, dict(to_params=lambda th: {"k": jnp.full(3, th["k"])}),

@@ -119,6 +119,40 @@ def test_a_stalled_trust_region_is_not_taken_for_an_optimum():
     assert res.status[0] == gs.calibrate.FitStatus.CONVERGED, (res.status, res.steps)
     assert abs(np.sin(res.theta["x"][0])) < 1e-12 and res.grad_norm[0] < 1e-6, res.theta
 
+@pytest.mark.parametrize("optimizer", ["levenberg_marquardt", "adam"])
+def test_clipped_edges_reach_an_optimum_on_a_bound(optimizer):
+    # k kept in [0.2, 1.5] with edges="clip": fit 2's truth (k = 2) lies outside, so its
+    # optimum has k on the bound 1.5 and a at the closed-form least-squares amplitude
+    # given k = 1.5 (its data 3 c exp(-2 t) against a c exp(-1.5 t), c = 1, 2: a* = 3
+    # <e, f> / <e, e>); fits 0 and 1 are inside and reach their truth. Measured:
+    # Levenberg-Marquardt (the bound's column dropped, trial points projected) 11, 11,
+    # 12 updates, k on the bound exactly, a within 6.3e-13 of a*; Adam(0.05) (its step
+    # projected, the pushing gradient dropped, so grad_tol ends it) 246-278 updates, a
+    # within 1.1e-8. On the default squashed edges the same 40 Levenberg-Marquardt
+    # updates left k 6.9e-3 below the bound and a 3.5e-3 off. Bounds: a within 3e-11
+    # for Levenberg-Marquardt (the replay's accuracy, as the fits inside) and 1e-6
+    # for Adam (grad_tol 1e-6 on a gradient of size a's error).
+    hi = 1.5
+    kw = (dict(residuals=lambda ys, th, d: (ys - d).ravel()) if optimizer ==
+          "levenberg_marquardt" else dict(loss=lambda ys, th, d: 0.5 * jnp.sum((ys - d) ** 2),
+                                          optimizer=optax.adam(0.05)))
+    cal = gs.Calibrator(
+        _decay_problem(), to_params=lambda th: {"k": jnp.full(K, th["k"])},
+        to_y0=lambda th: th["a"] * jnp.array([[1.0], [2.0]]), data=DATA, ts=TS,
+        transform={"k": gs.transforms.Log(0.2, hi, edges="clip"), "a": None},
+        rtol=1e-10, atol=1e-12, **kw)
+    res = cal.fit(THETA0, steps=40 if optimizer == "levenberg_marquardt" else 600,
+                  grad_tol=None if optimizer == "levenberg_marquardt" else 1e-6,
+                  progress=False)
+    assert (np.asarray(res.status) == gs.calibrate.FitStatus.CONVERGED).all(), res.status
+    e, f = np.exp(-hi * np.asarray(TS)), np.exp(-2.0 * np.asarray(TS))
+    a_star = float(A_TRUE[2]) * (e @ f) / (e @ e)
+    assert abs(float(res.theta["k"][2]) - hi) <= 1e-15 * hi, res.theta["k"]
+    tol = 3e-11 if optimizer == "levenberg_marquardt" else 1e-6
+    assert rel_err(res.theta["a"][2], a_star) < tol, res.theta["a"]
+    assert rel_err(res.theta["k"][:2], K_TRUE[:2]) < 10 * tol, res.theta["k"]
+
+
 def test_gauss_newton_solves_a_linear_least_squares_fit_in_one_step():
     # y' = c from y(0) = a: y(t) = a + c t, linear in (a, c), which Tsit5 integrates
     # exactly; noisy data. One Gauss-Newton step from anywhere reaches the

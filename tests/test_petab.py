@@ -218,6 +218,10 @@ def test_objective_priors_enter_the_calibrators_loss_not_the_llh(tmp_path):
     loss = float(prob.loss(ys, prob._theta(theta), prob.data))
     assert loss == pytest.approx(-prob.llh(theta) - prob.log_prior(theta), rel=1e-12)
     assert prob.calibrator(2).loss == prob.loss
+    # edges= reaches every parameter's transform, its scale and bounds kept.
+    clipped = prob.calibrator(2, edges="clip").transform
+    assert {k: (type(t), t.lo, t.hi, t.edges) for k, t in clipped.items()} == {
+        k: (type(t), t.lo, t.hi, "clip") for k, t in prob.transforms.items()}
     scaled = {"lin": lambda x: x, "log": np.log, "log10": np.log10}
     jacobian = {"lin": lambda x: 1.0, "log": lambda x: x, "log10": lambda x: x * np.log(10)}
     for kind, a, b in [("uniform", 0.5, 2.0), ("normal", 1.0, 0.5), ("laplace", 0.9, 0.3),

@@ -28,6 +28,8 @@ import optax
 import optimistix as optx
 from jax.flatten_util import ravel_pytree
 
+from . import _transforms
+
 # The default least-squares solver's termination (optimistix's Cauchy test: a step's
 # change in the parameters and in the residuals both below atol + rtol * size).
 RTOL, ATOL = 1e-8, 1e-10
@@ -112,12 +114,17 @@ def residual_fn(objective, static, K, held, forward):
     y0, rows)`: fit b's residuals (flattened) at its unconstrained parameters `u_b`,
     with the Jacobian materialised (see the module). `held`: None or a pytree of bools
     shaped as `u_b`'s structure, True at the leaves a profile holds (their Jacobian
-    columns are zero, so no step moves them)."""
+    columns are zero, so no step moves them). Leaves kept in a box (`edges="clip"`) on
+    a bound their gradient pushes against lose their columns the same way (the active
+    set of a projected Gauss-Newton step); `make_step` projects the trial points."""
 
     def fn(u_b, args):
         v, unravel = ravel_pytree(u_b)
         mask = None if held is None else ravel_pytree(jax.tree.map(
             lambda x, h: jnp.full(jnp.shape(x), h), u_b, held))[0]
+        box = objective.box(u_b, static)
+        if box is not None:
+            box = tuple(ravel_pytree(x)[0] for x in box)
 
         def plain(v, args, ys_forward=False):
             if mask is not None:
@@ -139,6 +146,9 @@ def residual_fn(objective, static, K, held, forward):
                 out = plain(v, args, ys_forward=by == "fwd")
                 return out, out
             jac, out = (jax.jacfwd if by == "fwd" else jax.jacrev)(both, has_aux=True)(v)
+            if box is not None:  # the active bounds' columns dropped: the step holds them
+                out_of = _transforms.pushing_out(jac.T @ out, v, box)
+                jac = jnp.where(out_of[None, :], 0.0, jac)
             return out, jac @ tangents[0]
         return r(v, args), None
     return fn
@@ -198,6 +208,9 @@ def make_step(objective, solver, held, forward):
             args = (b, mesh, data, y0, None if rows is None else rows[b][None])
             s = _with_static(solver, fn, u_b, args, s)
             u_b, s, _ = solver.step(fn, u_b, args, _OPTIONS, s, _TAGS)
+            box = objective.box(u_b, static)
+            if box is not None:  # the next trial point, projected into the box
+                s = eqx.tree_at(lambda s: s.y_eval, s, _transforms.project(s.y_eval, box))
             done, _ = solver.terminate(fn, u_b, args, _OPTIONS, s, _TAGS)
             if hasattr(s, "num_steps_since_acceptance"):  # a trust region's
                 done = done | _stalled(solver, u_b, s)

@@ -57,6 +57,12 @@ class Objective(eqx.Module):
         """The fits' theta (constrained) from the optimised, unconstrained `u`."""
         return _transforms.apply(self.transform, eqx.combine(u, static), "forward")
 
+    def box(self, u, static):
+        """`(lower, upper)`, trees shaped as `u`, that the optimizer keeps `u` within
+        (`gs.transforms`' `edges="clip"`), or None where no transform keeps one."""
+        b = _transforms.box(self.transform, eqx.combine(u, static))
+        return None if b is None else tuple(eqx.filter(x, eqx.is_array) for x in b)
+
     def params(self, theta, K):
         """Per-trajectory parameters of the whole ensemble from the B fits' theta."""
         if self.to_params is None:
@@ -170,6 +176,8 @@ def make_update(objective: Objective, optimizer, held=None):
     leaves held at their values (a profile's fixed leaf): their gradient is zero, so
     no optimizer moves them (a quasi-Newton direction has no component along them, and
     a line search tries points where they are held), and `grad_tol` reads the others.
+    Leaves kept in a box (`edges="clip"`) are projected back into it after every step,
+    and on a bound their gradient pushes against, held as a profile's are.
 
     A fit moves when it is active, its loss and gradient are finite and it has not
     converged (`tol` on the loss, `grad_tol` on the gradient's norm); its status says
@@ -200,6 +208,10 @@ def make_update(objective: Objective, optimizer, held=None):
         (_, (losses, ratio)), grads = jax.value_and_grad(total, has_aux=True)(state.u)
         if held is not None:
             grads = jax.tree.map(lambda g, h: jnp.zeros_like(g) if h else g, grads, held)
+        box = objective.box(state.u, static)
+        if box is not None:  # a fit on a bound it pushes against is held there
+            grads = jax.tree.map(lambda g, out: jnp.where(out, 0.0, g), grads,
+                                 _transforms.pushing_out(grads, state.u, box))
         grad_norm = jax.vmap(optax.tree.norm)(grads)
         finite = jnp.isfinite(losses) & jnp.isfinite(grad_norm)
         converged = jnp.zeros_like(finite)
@@ -220,8 +232,9 @@ def make_update(objective: Objective, optimizer, held=None):
             return extra_args.update(g, s, u_b, value=value, grad=g, value_fn=value_fn)
         updates, opt_state = jax.vmap(step)(grads, state.opt_state, state.u, losses,
                                             jnp.arange(B))
-        return _advance(state, move, optax.apply_updates(state.u, updates), opt_state,
-                        losses, grad_norm, finite, converged, cap, arr), ratio
+        u = _transforms.project(optax.apply_updates(state.u, updates), box)
+        return _advance(state, move, u, opt_state, losses, grad_norm, finite, converged,
+                        cap, arr), ratio
     return update
 
 

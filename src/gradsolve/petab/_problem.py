@@ -269,7 +269,8 @@ class PetabProblem:
         return multistart(dict(self.lower), dict(self.upper), n_starts, key, scale=scale,
                           method=method)
 
-    def calibrator(self, starts, optimizer=None, least_squares=False, **settings):
+    def calibrator(self, starts, optimizer=None, least_squares=False, edges="squash",
+                   **settings):
         """A `gs.Calibrator` fitting `starts` copies of the problem at once (the
         negative log-likelihood, each parameter on its PEtab scale within its bounds);
         `settings` go to `gs.Calibrator` (rtol, atol and ts are the problem's). Use:
@@ -280,6 +281,14 @@ class PetabProblem:
         from the negative log-likelihood by a constant), by Levenberg-Marquardt unless
         `optimizer` says otherwise; refused, with the reason, for Laplace noise and
         objective priors.
+
+        `edges` is how the bounds are kept (`gs.transforms`' module): `"squash"` (the
+        logit of each parameter's position between its bounds; the better space to
+        search from scattered starts) or `"clip"` (the scale itself, each step
+        projected into the bounds; a bound is a finite step away, so a fit whose
+        optimum lies on one gets there). A polish, as `benchmarks/time_to_optimum.py`
+        does on Boehm: `prob.calibrator(S, least_squares=True, edges="clip").fit(
+        res.theta, steps=100)` from a squashed multistart's `res`.
         """
         if not isinstance(starts, int) or starts < 1:
             raise ValueError(f"starts must be a positive integer, got {starts!r}")
@@ -302,8 +311,10 @@ class PetabProblem:
             objective = {"residuals": self.residuals}
         return Calibrator(
             prob, **objective, to_params=self.to_params, data=data, optimizer=optimizer,
-            to_y0=self.to_y0, transform=dict(self.transforms), rtol=self.rtol,
-            atol=self.atol, max_steps=self.max_steps, ts=self.ts, **settings)
+            to_y0=self.to_y0, transform={k: type(t)(t.lo, t.hi, edges=edges)
+                                         for k, t in self.transforms.items()},
+            rtol=self.rtol, atol=self.atol, max_steps=self.max_steps, ts=self.ts,
+            **settings)
 
     def summary(self, res) -> str:
         """The PEtab summary of a multistart result: the best start's log-likelihood
