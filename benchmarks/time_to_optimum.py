@@ -77,7 +77,8 @@ def calibrator(optimizer):
     least_squares = isinstance(optimizer, optx.AbstractLeastSquaresSolver)
     prob = gs.EnsembleProblem(recipe.lotka_volterra, y0=jnp.ones((STARTS, 2)), params={
         k: jnp.ones(STARTS) for k in recipe.RATES}, t_span=(0.0, 20.0), name="lynx_hare")
-    transform = {k: gs.transforms.Log10(recipe.LO[k], recipe.HI[k]) for k in recipe.RATES}
+    transform = {k: gs.transforms.Log10(recipe.LO[k], recipe.HI[k], edges="clip")
+                 for k in recipe.RATES}  # the recipe's: a valley to a bound ends there
     transform.update(hare0=gs.transforms.Log(), lynx0=gs.transforms.Log())
     return gs.Calibrator(
         prob, residuals=lambda ys, theta, _: recipe.residuals(ys[0], theta),

@@ -11,7 +11,8 @@ by the Stan case study "Predator-Prey Population Dynamics" (Carpenter, 2018):
 
 Six numbers are estimated from the 21 years: the four rates and both initial
 populations (hare0, lynx0 in 1900), all on log scales -- the rates on
-`gs.transforms.Log10` bounded by the start box, the initial states on `Log` -- by least
+`gs.transforms.Log10` bounded by the start box on clipped edges (a valley that runs
+to a bound ends there), the initial states on `Log` -- by least
 squares on log counts (multiplicative noise), given to the Calibrator as residuals, so
 each start is fitted by Levenberg-Marquardt (the default for residuals; the Jacobian
 by forward mode). 32 Sobol starts spread over the box work through 8 concurrent slots:
@@ -70,7 +71,7 @@ def build(starts=32, seed=0, **kw):
     prob = gs.EnsembleProblem(
         lotka_volterra, y0=jnp.ones((starts, 2)),
         params={k: jnp.ones(starts) for k in RATES}, t_span=(0.0, 20.0), name="lynx_hare")
-    transform = {k: gs.transforms.Log10(LO[k], HI[k]) for k in RATES}
+    transform = {k: gs.transforms.Log10(LO[k], HI[k], edges="clip") for k in RATES}
     transform.update(hare0=gs.transforms.Log(), lynx0=gs.transforms.Log())
     cal = gs.Calibrator(
         prob, residuals=lambda ys, theta, _: residuals(ys[0], theta),
