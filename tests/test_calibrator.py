@@ -101,7 +101,9 @@ def test_one_poisoned_fit_does_not_disturb_the_others(lorenz, fit40):
     bad = data.at[3].set(1e300)
     clean = fit40
     cal = gs.Calibrator(prob, loss, to_params=to_params, data=bad, optimizer=optax.adam(0.3))
-    res = cal.fit(THETA0, steps=40, progress=False)
+    with pytest.warns(RuntimeWarning, match=r"1 of 8 fits stopped on a non-finite loss "
+                      r"or gradient: fits \[3\]"):
+        res = cal.fit(THETA0, steps=40, progress=False)
     assert res.status_names[3] == "nonfinite" and res.steps[3] == 0
     others = np.arange(B) != 3
     np.testing.assert_array_equal(np.asarray(res.theta["rho"])[others],
@@ -113,7 +115,9 @@ def test_a_fit_whose_record_fails_is_frozen(lorenz):
     theta0 = {"rho": THETA0["rho"].at[5].set(1e6)}  # blows up: steps underflow / cap
     cal = gs.Calibrator(prob, loss, to_params=to_params, data=data,
                         optimizer=optax.adam(0.3), max_steps=200)
-    res = cal.fit(theta0, steps=5, progress=False)
+    with pytest.warns(RuntimeWarning, match=r"1 of 8 fits stopped on a failed recording "
+                      r"of their mesh .*: fits \[5\]"):
+        res = cal.fit(theta0, steps=5, progress=False)
     assert res.status_names[5] == "record_failed" and res.steps[5] == 0
     assert np.all(np.asarray(res.steps)[np.arange(B) != 5] == 5)
 

@@ -12,6 +12,7 @@ says how to resume.
 import functools
 import json
 import time
+import warnings
 
 import equinox as eqx
 import jax
@@ -128,8 +129,25 @@ def run(cal, theta0, steps, tol, grad_tol, progress, key, resume, slots):
         if store is not None:
             store.close()
     theta = _transforms.apply(cal.transform, eqx.combine(state.u, static), "forward")
+    _warn_failed(state.status)
     return FitResult.from_state(state, theta, cal.engine, FitStatus,
                                 resumed_from=resumed_from)
+
+
+def _warn_failed(status):
+    """Name the fits that stopped failed (a RuntimeWarning; `res.status_names` has
+    them, where a summary such as "converged 31/32" would not say why)."""
+    if jax.process_index() != 0:  # several processes: the first reports
+        return
+    status = np.asarray(status)
+    for code, why in ((FitStatus.NONFINITE, "a non-finite loss or gradient"),
+                      (FitStatus.RECORD_FAILED, "a failed recording of their mesh (the "
+                       "solve hit max_steps or its step size underflowed)")):
+        bad = np.flatnonzero(status == code)
+        if bad.size:
+            warnings.warn(f"{bad.size} of {status.size} fits stopped on {why}: fits "
+                          f"{bad[:10].tolist()}{' ...' if bad.size > 10 else ''} "
+                          f"(res.status_names)", RuntimeWarning, stacklevel=4)
 
 
 def _interrupted(cal, state, saves) -> str:
