@@ -119,6 +119,7 @@ def test_a_stalled_trust_region_is_not_taken_for_an_optimum():
     assert res.status[0] == gs.calibrate.FitStatus.CONVERGED, (res.status, res.steps)
     assert abs(np.sin(res.theta["x"][0])) < 1e-12 and res.grad_norm[0] < 1e-6, res.theta
 
+
 @pytest.mark.parametrize("optimizer", ["levenberg_marquardt", "adam"])
 def test_clipped_edges_reach_an_optimum_on_a_bound(optimizer):
     # k kept in [0.2, 1.5] with edges="clip": fit 2's truth (k = 2) lies outside, so its
@@ -207,6 +208,9 @@ def test_least_squares_refusals_name_what_is_not_supported():
         gs.Calibrator(prob, lambda ys, th, d: jnp.sum(ys), residuals=r)
     with pytest.raises(ValueError, match="batch_size=1 with optimizer=LevenbergMarquardt"):
         gs.Calibrator(prob, residuals=r, batch_size=1)
+    with pytest.raises(TypeError, match='optimizer=BFGS does not keep a box: with edges="clip"'):
+        gs.Calibrator(prob, lambda ys, th, d: jnp.sum(ys), optimizer=optx.BFGS(1e-8, 1e-8),
+                      transform={"k": gs.transforms.Log(0.1, 1.0, edges="clip")})
     # Residuals with an optax optimizer: its loss is half their squared norm.
     cal = gs.Calibrator(prob, residuals=r, optimizer=optax.adam(0.1))
     assert not cal.least_squares

@@ -226,7 +226,7 @@ class Calibrator:
         if optimizer is None:  # least squares for residuals, but for a network's field
             optimizer = (_least_squares.default_solver(self.problem.y0.dtype)
                          if residuals is not None and not self.grows else optax.adam(1e-2))
-        _least_squares.check_solver(optimizer, residuals)
+        _least_squares.check_solver(optimizer, residuals, transform)
         self.least_squares = _least_squares.is_least_squares(optimizer)
         self.optimistix = _least_squares.is_optimistix(optimizer)
         if not self.optimistix and not (callable(getattr(optimizer, "init", None))

@@ -53,9 +53,10 @@ def is_optimistix(optimizer) -> bool:
     return isinstance(optimizer, (optx.AbstractLeastSquaresSolver, optx.AbstractMinimiser))
 
 
-def check_solver(optimizer, residuals):
-    """Refuse, by name, an optimistix solver the Calibrator does not drive, and a
-    least-squares solver without residuals."""
+def check_solver(optimizer, residuals, transform=None):
+    """Refuse, by name, an optimistix solver the Calibrator does not drive, a
+    least-squares solver without residuals, and a quasi-Newton minimiser on clipped
+    edges (its line search and memory would see steps the box cuts short)."""
     if is_optimistix(optimizer) and not isinstance(
             optimizer, (optx.AbstractGaussNewton, optx.AbstractQuasiNewton)):
         raise TypeError(
@@ -63,6 +64,12 @@ def check_solver(optimizer, residuals):
             f"drives the Gauss-Newton family (optx.LevenbergMarquardt, optx.GaussNewton, "
             f"optx.Dogleg) on residuals= and the quasi-Newton minimisers (optx.BFGS); "
             f"or use an optax transformation (optax.lbfgs() is L-BFGS with a line search)")
+    if (isinstance(optimizer, optx.AbstractQuasiNewton)
+            and _transforms.has_box(transform)):
+        raise TypeError(
+            f"optimizer={type(optimizer).__name__} does not keep a box: with "
+            f"edges=\"clip\" transforms use Levenberg-Marquardt on residuals= or an "
+            f"optax transformation, or keep the default squashed edges")
     if is_least_squares(optimizer) and residuals is None:
         raise TypeError(
             f"optimizer={type(optimizer).__name__} is a least-squares method: give the "

@@ -17,10 +17,11 @@ Bounds are kept one of two ways (`edges=`):
 
 Measured on Boehm_JProteomeRes2014 (PEtab benchmark collection), whose optimum has
 `k_exp_hetero` on its lower bound: from 8 starts, squashed Levenberg-Marquardt reached
-llh -138.2269 in 400 updates and crawled (-138.2324 after 1000 updates refreshing
-every 10), 0.005 short of AMICI's reference -138.2220; on clipped edges from the
-start, the search itself went elsewhere (-149.59: the squashed space is the better one
-to search from scattered starts). docs/calibrator.md gives the polish that uses both.
+llh -138.2269 in 400 updates and crawled on (-138.2324 after 1000 updates refreshing
+every 10), 0.005 short of AMICI's reference -138.2220; 100 more updates on clipped
+edges from there reached it to 1.4e-6. A search on clipped edges from the start was no
+better (-138.2271 from 20 starts, in a flat valley), so docs/calibrator.md's polish
+uses both; recipes/multistart.py runs on clipped edges alone.
 """
 
 import abc
@@ -257,6 +258,16 @@ def box(transforms, tree):
         return jax.tree.map(lambda t, x: one(t, x, i), transforms, tree, is_leaf=_is_node)
     lower, upper = ends(0), ends(1)
     return None if all(b is None for b in boxes) else (lower, upper)
+
+
+def has_box(transforms) -> bool:
+    """Whether any transform in `transforms` keeps a box (`edges="clip"`)."""
+    if transforms is None:
+        return False
+    if isinstance(transforms, Transform):
+        return transforms.box() is not None
+    return any(t is not None and t.box() is not None
+               for t in jax.tree.leaves(transforms, is_leaf=_is_transform))
 
 
 def project(u, box):
