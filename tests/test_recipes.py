@@ -156,7 +156,12 @@ def test_multistart_recipe_runs_end_to_end_through_a_start_queue(tmp_path, capsy
     res, prof = multistart.main(["--starts", "4", "--slots", "2", "--steps", "30",
                                  "--profile-points", "3", "--profile-steps", "5",
                                  "--out", str(tmp_path), "--no-progress"])
-    assert res.history.shape == (30, 4) and res.updates >= 60
+    # Every start worked and stopped, two after two through the slots: more updates in
+    # all than any one start took (measured: 22, 29, 26, 26 updates, all converged, 55
+    # in all; before the rates' clipped edges every start ran to the cap, 60 in all).
+    assert res.history.shape == (30, 4)
+    assert set(res.status_names) <= {"converged", "step_cap"}, res.status_names
+    assert min(res.steps) >= 1 and res.updates > max(res.steps), (res.steps, res.updates)
     assert prof.loss.shape == (3,)
     assert {p.name for p in tmp_path.iterdir()} == {
         "multistart.npz", "multistart_waterfall.png", "multistart_profile_alpha.png"}
