@@ -120,6 +120,25 @@ def test_a_stalled_trust_region_is_not_taken_for_an_optimum():
     assert abs(np.sin(res.theta["x"][0])) < 1e-12 and res.grad_norm[0] < 1e-6, res.theta
 
 
+CLIP_HI = 1.5  # k's upper bound below: fit 2's truth, k = 2, lies outside
+
+
+def _clipped(optimizer):
+    """The decay fits with k kept in [0.2, CLIP_HI] on clipped edges, and `fit`'s
+    arguments."""
+    kw = (dict(residuals=lambda ys, th, d: (ys - d).ravel()) if optimizer ==
+          "levenberg_marquardt" else dict(loss=lambda ys, th, d: 0.5 * jnp.sum((ys - d) ** 2),
+                                          optimizer=optax.adam(0.05)))
+    cal = gs.Calibrator(
+        _decay_problem(), to_params=lambda th: {"k": jnp.full(K, th["k"])},
+        to_y0=lambda th: th["a"] * jnp.array([[1.0], [2.0]]), data=DATA, ts=TS,
+        transform={"k": gs.transforms.Log(0.2, CLIP_HI, edges="clip"), "a": None},
+        rtol=1e-10, atol=1e-12, **kw)
+    return cal, dict(steps=40 if optimizer == "levenberg_marquardt" else 600,
+                     grad_tol=None if optimizer == "levenberg_marquardt" else 1e-6,
+                     progress=False)
+
+
 @pytest.mark.parametrize("optimizer", ["levenberg_marquardt", "adam"])
 def test_clipped_edges_reach_an_optimum_on_a_bound(optimizer):
     # k kept in [0.2, 1.5] with edges="clip": fit 2's truth (k = 2) lies outside, so its
@@ -133,18 +152,9 @@ def test_clipped_edges_reach_an_optimum_on_a_bound(optimizer):
     # updates left k 6.9e-3 below the bound and a 3.5e-3 off. Bounds: a within 3e-11
     # for Levenberg-Marquardt (the replay's accuracy, as the fits inside) and 1e-6
     # for Adam (grad_tol 1e-6 on a gradient of size a's error).
-    hi = 1.5
-    kw = (dict(residuals=lambda ys, th, d: (ys - d).ravel()) if optimizer ==
-          "levenberg_marquardt" else dict(loss=lambda ys, th, d: 0.5 * jnp.sum((ys - d) ** 2),
-                                          optimizer=optax.adam(0.05)))
-    cal = gs.Calibrator(
-        _decay_problem(), to_params=lambda th: {"k": jnp.full(K, th["k"])},
-        to_y0=lambda th: th["a"] * jnp.array([[1.0], [2.0]]), data=DATA, ts=TS,
-        transform={"k": gs.transforms.Log(0.2, hi, edges="clip"), "a": None},
-        rtol=1e-10, atol=1e-12, **kw)
-    res = cal.fit(THETA0, steps=40 if optimizer == "levenberg_marquardt" else 600,
-                  grad_tol=None if optimizer == "levenberg_marquardt" else 1e-6,
-                  progress=False)
+    hi = CLIP_HI
+    cal, fit = _clipped(optimizer)
+    res = cal.fit(THETA0, **fit)
     assert (np.asarray(res.status) == gs.calibrate.FitStatus.CONVERGED).all(), res.status
     e, f = np.exp(-hi * np.asarray(TS)), np.exp(-2.0 * np.asarray(TS))
     a_star = float(A_TRUE[2]) * (e @ f) / (e @ e)
@@ -152,6 +162,17 @@ def test_clipped_edges_reach_an_optimum_on_a_bound(optimizer):
     tol = 3e-11 if optimizer == "levenberg_marquardt" else 1e-6
     assert rel_err(res.theta["a"][2], a_star) < tol, res.theta["a"]
     assert rel_err(res.theta["k"][:2], K_TRUE[:2]) < 10 * tol, res.theta["k"]
+
+
+@pytest.mark.exact_across_shapes
+def test_a_clipped_fit_is_the_same_in_any_slot():
+    # The box, the projection and the held bound act per fit: fit 2, held on its
+    # bound, and the two inside give the same bits through one slot as side by side.
+    cal, fit = _clipped("levenberg_marquardt")
+    res, alone = cal.fit(THETA0, **fit), cal.fit(THETA0, slots=1, **fit)
+    for name in ("loss", "steps", "status", "history", "grad_norm"):
+        np.testing.assert_array_equal(getattr(alone, name), getattr(res, name), name)
+    jax.tree.map(np.testing.assert_array_equal, alone.theta, res.theta)
 
 
 def test_gauss_newton_solves_a_linear_least_squares_fit_in_one_step():
