@@ -453,3 +453,28 @@ def test_kill_9_inside_and_between_saves_resumes_bit_identically(tmp_path, refer
     assert len(saved.files) == len(want)
     for i, w in enumerate(want):
         np.testing.assert_array_equal(saved[f"arr_{i}"], w)
+
+
+def test_a_step_is_saved_once_when_a_call_runs_no_update(monkeypatch):
+    # A call of the update loop can run no update (its first found a stale mesh, which
+    # is refreshed next), leaving the count where the last save left it. Step 20 used
+    # to be saved again: orbax refused it (StepAlreadyExistsError) and the fit warned
+    # -- measured on a float32 network fit (Shared MLP, refresh_tol "auto", a save
+    # every 20 updates) from a fresh checkpoint directory.
+    from collections import namedtuple
+
+    from gradsolve.calibrate import _policies
+
+    class Store:
+        def __init__(self):
+            self.steps = []
+
+        def save(self, step, state, meta):
+            self.steps.append(step)
+
+    monkeypatch.setattr(_policies._slots, "flush", lambda state, window, to_device: state)
+    store, state = Store(), namedtuple("State", "x")(1)
+    saves = _policies.Saves(store, 20, {})
+    for done in (7, 20, 20, 33, 40, 40):
+        saves.apply(state, None, done)
+    assert store.steps == [20, 40]

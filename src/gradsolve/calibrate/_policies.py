@@ -234,8 +234,10 @@ class Saves:
     def apply(self, state, window, done):
         """After a call: the state with the window's fits written back (in NumPy: the
         window stays the fits' copy on the device) saved as step `done` if a save is
-        due."""
-        if not self.schedule.due(done):
+        due. A call that ran no update (its first found a stale mesh) leaves `done`
+        where the last save left it: that step is not saved twice (orbax refuses a
+        step that exists, and the fit warned)."""
+        if done == self.tried or not self.schedule.due(done):
             return
         self.store.save(done, _slots.flush(state, window, to_device=False)._asdict(),
                         self.meta)
