@@ -74,8 +74,7 @@ def evaluation_size(prob) -> int:
             for sub in jaxprs_in_params(eqn.params):
                 total += size(sub)
         return total
-    closed = eqx.filter_make_jaxpr(prob.f_one)(
-        prob.y0.dtype.type(prob.t_span[0]), prob.y0[0], trajectory_params(prob.params, 0))[0]
+    closed = eqx.filter_make_jaxpr(prob.f_one)(*_one_trajectory(prob))[0]
     return max(size(closed.jaxpr), prob.d)
 
 
@@ -283,11 +282,22 @@ def _check_finite(tree, where):
             raise ValueError(f"{where}{jax.tree_util.keystr(path)} holds non-finite values")
 
 
+def _one_trajectory(prob: EnsembleProblem):
+    """`(t, y, params)` of one trajectory as `jax.ShapeDtypeStruct`s (`gs.Shared`
+    values as they are), to trace the field with: taking trajectory 0's values
+    eagerly compiled a small program per leaf shape."""
+    def one(x):
+        return jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype) if eqx.is_array(x) else x
+    params = jax.tree.map(lambda x: x if _is_shared(x) else one(x), prob.params,
+                          is_leaf=_is_shared)
+    dtype = prob.y0.dtype
+    return jax.ShapeDtypeStruct((), dtype), jax.ShapeDtypeStruct(prob.y0.shape[1:], dtype), \
+        params
+
+
 def _check_field_shape(prob: EnsembleProblem):
     """Trace `f_jax` once on trajectory 0 (abstractly: nothing runs or compiles)."""
-    y = jax.ShapeDtypeStruct(prob.y0.shape[1:], prob.y0.dtype)
-    t = jax.ShapeDtypeStruct((), prob.y0.dtype)
-    p = trajectory_params(prob.params, 0)
+    t, y, p = _one_trajectory(prob)
     try:
         out = eqx.filter_eval_shape(prob.f_one, t, y, p)
     except Exception as e:

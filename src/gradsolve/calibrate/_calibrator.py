@@ -217,8 +217,7 @@ class Calibrator:
         self.one_fit = to_params is None and all_shared(self.problem.params)
         if self.one_fit:
             to_params = resharing(self.problem.params)
-            data = None if data is None else jax.tree.map(
-                lambda x: x[None] if eqx.is_array(x) or isinstance(x, np.ndarray) else x, data)
+            data = None if data is None else _validate._lead_with_one(data)
         # A network's field (shared: one fit's; or each trajectory's) gets stiffer as
         # it trains: "auto" refreshes its mesh, and a mesh that outgrew its width is
         # padded with headroom (`mesh.grown_width`) and replayed guarded.
@@ -439,7 +438,7 @@ class Calibrator:
         batch = None if self.batch_size is None else B * self.batch_size
         return self._update(window.state, static, mesh, window.data, window.y0,
                             jax.device_put(window.start), tol, grad_tol, cap,
-                            jnp.asarray(n, jnp.int32), jnp.asarray(refill),
+                            np.asarray(n, np.int32), np.asarray(refill),
                             jax.device_put(np.asarray(fresh, bool)),
                             self._arrangement(mesh, window.y0.shape[0], batch))
 

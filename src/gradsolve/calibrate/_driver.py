@@ -33,7 +33,7 @@ def run(cal, theta0, steps, tol, grad_tol, progress, key, resume, slots):
     B = _slots.check_slots(slots, S)
     tol, grad_tol = _validate.check_tol("tol", tol), _validate.check_tol("grad_tol", grad_tol)
     steps = int(steps)
-    u0 = _transforms.apply(cal.transform, theta0, "inverse")
+    u0 = _transforms.apply_compiled(cal.transform, theta0, "inverse")
     _validate.check_domain(cal.transform, theta0, u0)
     u, static = eqx.partition(_strong(u0), eqx.is_inexact_array)
     state = _strong(cal._initial_state(u, static, S, K, steps, key))
@@ -59,7 +59,7 @@ def run(cal, theta0, steps, tol, grad_tol, progress, key, resume, slots):
         saves = _policies.Saves(store, cal.checkpoint_every, meta)
     refresh = _policies.Refresh(cal, static, K)
     policies = (refresh,) if saves is None else (refresh, saves)
-    cap = jnp.asarray(steps, jnp.int32)
+    cap = np.asarray(steps, np.int32)
     done = int(state.update)
     queue = B < S
     bar = _report.progress_bar(progress, S if queue else steps,
@@ -128,7 +128,7 @@ def run(cal, theta0, steps, tol, grad_tol, progress, key, resume, slots):
             bar.close()
         if store is not None:
             store.close()
-    theta = _transforms.apply(cal.transform, eqx.combine(state.u, static), "forward")
+    theta = _transforms.apply_compiled(cal.transform, eqx.combine(state.u, static), "forward")
     _warn_failed(state.status)
     return FitResult.from_state(state, theta, cal.engine, FitStatus,
                                 resumed_from=resumed_from)

@@ -17,8 +17,8 @@ Two others have no host-side due: slot refill (`_slots.fill`, before every call)
 minibatch draws (inside the compiled update, keyed by each fit's own update count).
 """
 
+import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import _least_squares, _slots
@@ -80,6 +80,11 @@ LEAST_SQUARES_REFRESH = 10
 #   the full-data loss 0.2253 at every one (refreshing every 50 updates with no
 #   check: 5.6 ms, 0.2256).
 REFRESH_TOL = 2.0
+
+
+# `_where` over a least-squares state at a refresh, as one compiled program (eager, a
+# small program per leaf shape).
+_where_compiled = eqx.filter_jit(_where)
 
 
 def check_refresh_tol(refresh_tol, engine, cfg, n: int, batch_size, network: bool,
@@ -194,10 +199,10 @@ class Refresh:
         if cal.optimistix:  # its point and Jacobian were evaluated on the old mesh
             started = _least_squares.restart(opt_state, cal._opt_init(
                 ws.u, self.static, current, window.y0, window.data))
-            opt_state = _where(jnp.asarray(due), started, opt_state)
+            opt_state = _where_compiled(np.asarray(due), started, opt_state)
         return window._replace(state=ws._replace(
             mesh=_slots.adopt(ws.mesh, fresh, due, K, cal._growth), opt_state=opt_state,
-            refreshes=ws.refreshes + 1,
+            refreshes=jax.device_put(np.asarray(ws.refreshes) + 1),
             active=jax.device_put(np.asarray(ws.active) & ~failed),
             status=jax.device_put(np.where(failed, FitStatus.RECORD_FAILED,
                                            np.asarray(ws.status)).astype(np.int32)))), due

@@ -237,6 +237,16 @@ def apply(transforms, tree, direction):
     return jax.tree.map(one, transforms, tree, is_leaf=_is_node)
 
 
+def apply_compiled(transforms, tree, direction):
+    """`apply` as one compiled program, for the fit's host side (theta0 in, theta
+    out): run eagerly, each leaf's ops compiled a small program apiece (20 in the
+    multistart recipe, 0.6 s)."""
+    return tree if transforms is None else _apply_jit(transforms, tree, direction)
+
+
+_apply_jit = eqx.filter_jit(apply)
+
+
 def box(transforms, tree):
     """`(lower, upper)`: two trees shaped as `tree` (in the optimised space `u`), the
     box its array leaves are kept in (-inf / inf where a leaf's transform has none);

@@ -84,7 +84,8 @@ def check_grid(transform, name, path, grid):
     if not np.isfinite(grid).all():
         raise ValueError(f"grid must hold finite values, got {grid}")
     t = _transforms.for_path(transform, path)
-    bad = np.flatnonzero(~np.isfinite(np.asarray(t.inverse(jnp.asarray(grid)))))
+    bad = np.flatnonzero(~np.isfinite(np.asarray(
+        _transforms.apply_compiled(t, np.asarray(grid), "inverse"))))
     if bad.size:
         raise ValueError(f"grid[{bad[0]}] = {grid[bad[0]]} is outside the domain of "
                          f"theta[{name!r}]'s transform {t} (grid points {bad[:10].tolist()})")
@@ -195,17 +196,24 @@ def check_fit(cal, theta0, steps):
     check_to_params(cal, theta0, n // B)
     check_to_y0(cal, theta0, n // B)
     check_loss(cal, theta0, n // B)
-    theta_b = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
-    check_optimizer(cal.optimizer,
-                    _fingerprint.abstract(eqx.filter(theta_b, eqx.is_inexact_array)))
+    theta_b = _fit0(theta0)
+    check_optimizer(cal.optimizer, eqx.filter(theta_b, lambda x: isinstance(
+        x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)))
     return B, n // B
+
+
+def _fit0(theta0):
+    """Fit 0's theta, abstractly (`jax.ShapeDtypeStruct` leaves), for the checks'
+    traces: an eager `x[0]` per leaf compiled a small program per shape."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype)
+                        if eqx.is_array(x) else x, theta0)
 
 
 def check_loss(cal, theta0, K):
     """`loss` on fit 0's outputs, theta and data, traced abstractly: one real
     number. The outputs are `(K, d)`, or `(K, len(ts), d)` (`batch_size` rows for a
     minibatch) in the problem's dtype, as every engine's replay gives them."""
-    theta_b = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
+    theta_b = _fit0(theta0)
     rows = K if cal.batch_size is None else cal.batch_size
     ts = () if cal.config.ts is None else (len(cal.config.ts),)
     ys_b = jax.ShapeDtypeStruct((rows,) + ts + (cal.problem.d,), cal.problem.y0.dtype)
@@ -233,7 +241,7 @@ def check_to_y0(cal, theta0, K):
     """`to_y0` on fit 0's theta, traced abstractly: `(K, d)` in the problem's dtype."""
     if cal.to_y0 is None:
         return
-    theta_b = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
+    theta_b = _fit0(theta0)
     try:
         got = eqx.filter_eval_shape(cal.to_y0, theta_b)
     except Exception as e:
@@ -251,7 +259,7 @@ def check_to_y0(cal, theta0, K):
 def check_to_params(cal, theta0, K):
     """`to_params` on fit 0's theta, traced abstractly: every parameter the problem
     has, each shaped for K trajectories (or as the problem's `Shared` value)."""
-    theta_b = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, theta0)
+    theta_b = _fit0(theta0)
     what = "to_params(theta_b)" if cal.to_params is not None else \
         "theta_b broadcast to K (no to_params)"
     try:
