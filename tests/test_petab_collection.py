@@ -12,6 +12,7 @@ conditions; 10.5 s for the llh, 5 s more for the gradient).
 import pathlib
 import re
 
+import numpy as np
 import pytest
 
 import gradsolve as gs
@@ -91,7 +92,10 @@ def test_bruno_llh_and_gradient_at_nominal():
     # the gradient's -0.02081).
     mesh = prob.record()
     value, grad = prob.llh_and_grad(mesh=mesh)
-    assert value == llh
+    # The same states, through the loss alone (llh) and through its value_and_grad: two
+    # compiled programs, equal at XLA's default optimization level and 1 ulp apart at
+    # the suite's level 0 (measured: 46.68818147044116 against ...441165).
+    assert abs(value - llh) <= 4 * np.finfo(float).eps * abs(llh), (value, llh)
     h, th = 1e-6, prob.nominal
     for k in [k for k in prob.parameter_ids if k.startswith("init_") or k == "szea"]:
         up, down = dict(th), dict(th)
