@@ -100,11 +100,12 @@ def _lu_solve_transposed(lu, perm, b):
 # where the field's jaxpr has more than this many equations, else unrolled. XLA's
 # compile time grows with the program, and each unrolled stage holds the field, its
 # solve and their derivatives; a loop pays a few microseconds per stage and step.
-# Measured (Rodas5P, first gradient's XLA compile / warm gradient, unrolled -> loop):
-# Boehm_JProteomeRes2014 (99 equations) 12.7 -> 7.0 s / 82 -> 93 ms; Fujita (106)
-# 11.1 -> 6.8 s / 103 -> 107 ms; HIRES (57, 128 trajectories) 2.6 -> 2.1 s / 32 -> 33
-# ms; Robertson (16) 3.3 -> 2.6 s / 6.2 -> 8.9 ms; neural Robertson (27) 5.1 -> 4.1 s /
-# 42 -> 44 ms.
+# Measured (Rodas5P, first gradient's XLA compile / warm gradient, unrolled -> looped;
+# 2026-12-08): Boehm_JProteomeRes2014 (99 equations) 12.7 -> 7.0 s / 82 -> 89 ms;
+# Fujita_SciSignal2010 (106) 11.1 -> 6.8 s / 103 -> 107 ms; HIRES (57, 128
+# trajectories) 2.6 -> 2.0 s / 32 -> 33 ms. Below the threshold, looped, Robertson (16)
+# would take 3.3 -> 2.6 s / 6.2 -> 8.9 ms and neural Robertson (27) 5.1 -> 4.1 s / 42
+# -> 44 ms: their unrolled steps are cheap to compile and faster to run.
 STAGE_LOOP_EQUATIONS = 40
 
 
