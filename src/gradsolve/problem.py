@@ -102,6 +102,14 @@ def trajectory_params(params, i):
     return jax.tree.map(take, params, is_leaf=_is_shared)
 
 
+@eqx.filter_jit
+def rows_of(y0, params, rows):
+    """Trajectories `rows` (an integer array): their initial states and parameters
+    (`gs.Shared` subtrees as they are), as one compiled program; run eagerly, the take
+    of each leaf compiled a small program of its own."""
+    return y0[rows], trajectory_params(params, rows)
+
+
 class EnsembleProblem(eqx.Module):
     """n independent trajectories of one ODE, each with its own state and parameters.
 

@@ -9,7 +9,7 @@ from . import layout
 from .config import DEFAULT_MAX_STEPS
 from .engines import with_recorder
 from .mesh import Mesh
-from .problem import as_problem, trajectory_params
+from .problem import as_problem, rows_of
 from .router import plan
 
 
@@ -67,9 +67,8 @@ def record_rows(engine, prob, cfg, params=None, y0=None) -> Mesh:
     first = []  # the first chunk's mesh: the rest of the Mesh (its span, method, ...)
 
     def run(rows, sub):
-        part = engine.record(prob, sub, params=params if rows is None else
-                             trajectory_params(params, rows),
-                             y0=y0 if rows is None else y0[rows])
+        y0_rows, params_rows = (y0, params) if rows is None else rows_of(y0, params, rows)
+        part = engine.record(prob, sub, params=params_rows, y0=y0_rows)
         if not first:
             first.append(part)
         return part.h, part.n_steps, part.n_rejected, part.status

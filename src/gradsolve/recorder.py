@@ -23,7 +23,7 @@ import numpy as np
 from . import control, layout, methods
 from .config import Config
 from .mesh import Mesh
-from .problem import field, param_axes, trajectory_params
+from .problem import field, param_axes, rows_of
 from .status import Status
 
 
@@ -196,7 +196,7 @@ def _begin(y0, params, dt0, fill, f_jax, method, rtol, atol, t0, t1, chunk):
     the row gathers and zeros compiled a small program each (13 in a neural ODE fit's
     setup, 0.3 s)."""
     if fill is not None:
-        params, y0 = trajectory_params(params, fill), y0[fill]
+        y0, params = rows_of(y0, params, fill)
         dt0 = dt0 if dt0 is None or jnp.ndim(dt0) == 0 else dt0[fill]
     t, t_next, f0 = start(y0, params, dt0, f_jax, method, rtol, atol, t0, t1)
     zeros = jnp.zeros(y0.shape[0], jnp.int32)

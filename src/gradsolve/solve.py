@@ -7,7 +7,7 @@ import numpy as np
 
 from . import layout
 from .config import DEFAULT_MAX_STEPS
-from .problem import EnsembleProblem, as_problem, trajectory_params
+from .problem import EnsembleProblem, as_problem, rows_of
 from .router import plan
 from .status import Status, TrajectoryFailure, summarize
 
@@ -67,8 +67,10 @@ def solve_rows(engine, prob, cfg):
     their processes), in chunks under `cfg.memory_budget` where the engine says what a
     row costs (`Engine.row_bytes`)."""
     def run(rows, sub):
-        return engine.solve(prob if rows is None else prob.replace(
-            y0=prob.y0[rows], params=trajectory_params(prob.params, rows)), sub)
+        if rows is None:
+            return engine.solve(prob, sub)
+        y0, params = rows_of(prob.y0, prob.params, rows)
+        return engine.solve(prob.replace(y0=y0, params=params), sub)
     out = layout.by_rows(prob.n, cfg, engine.row_bytes(prob, cfg), "solve", run)
     return tuple(jnp.asarray(x) for x in out)
 

@@ -15,7 +15,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ..problem import trajectory_params
+from ..problem import rows_of
 from . import _result, _validate
 
 
@@ -35,7 +35,7 @@ def profile(cal, res, name, grid, *, steps, tol, grad_tol, progress, slots):
     _validate.check_grid(cal.transform, name, fixed, grid)
     B = np.shape(res.loss)[0]
     K = cal.problem.n // B
-    # On the host (NumPy) or in one compiled call (`_rows`): eager jnp ops compiled a
+    # On the host (NumPy) or in one compiled call (`rows_of`): eager jnp ops compiled a
     # small program per leaf shape, ~25 ms each.
     theta0 = jax.tree_util.tree_map_with_path(
         lambda p, x: grid if p == fixed else
@@ -43,7 +43,7 @@ def profile(cal, res, name, grid, *, steps, tol, grad_tol, progress, slots):
         or isinstance(x, np.ndarray) else x, best.theta)
     # The best fit's K trajectories and data, once per grid point.
     rows = np.tile(np.arange(best.index * K, (best.index + 1) * K, dtype=np.int32), G)
-    y0, params = _rows(cal.problem.y0, cal.problem.params, rows)
+    y0, params = rows_of(cal.problem.y0, cal.problem.params, rows)
     prob = cal.problem.replace(y0=y0, params=params)
     data = None if cal.data is None else jax.tree.map(
         lambda d: np.broadcast_to(np.asarray(d)[best.index], (G,) + np.shape(d)[1:]),
@@ -64,9 +64,3 @@ def profile(cal, res, name, grid, *, steps, tol, grad_tol, progress, slots):
     return jobs.fit(theta0, steps=steps, tol=tol, grad_tol=grad_tol, progress=progress,
                     slots=slots)
 
-
-@eqx.filter_jit
-def _rows(y0, params, rows):
-    """Rows `rows` of the initial states and the parameters (`gs.Shared` ones as they
-    are)."""
-    return y0[rows], trajectory_params(params, rows)
